@@ -1,0 +1,12 @@
+// The FFI handler symbols this extension exports, per platform.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaForwardCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaBackwardCpu);
+
+#ifdef JFA_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaBackwardCuda);
+#endif

@@ -1,0 +1,59 @@
+// The nanobind module: hands the FFI handlers to Python as capsules and says what was built.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "ffi/handlers.h"
+#ifdef JFA_WITH_CUDA
+#include "sm80/api.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule as_capsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must have type XLA_FFI_Error*(XLA_FFI_CallFrame*)");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_jax_flashattn, m) {
+  m.doc() = "jax_flashattn's compiled kernels as XLA FFI handlers";
+
+  m.def("cpu_targets", []() {
+    nb::dict d;
+    d["jfa_attention_fwd"] = as_capsule(JfaForwardCpu);
+    d["jfa_attention_bwd"] = as_capsule(JfaBackwardCpu);
+    return d;
+  });
+
+  m.def("cuda_targets", []() {
+    nb::dict d;
+#ifdef JFA_WITH_CUDA
+    d["jfa_attention_fwd"] = as_capsule(JfaForwardCuda);
+    d["jfa_attention_bwd"] = as_capsule(JfaBackwardCuda);
+#endif
+    return d;
+  });
+
+  m.def("cuda_variants", []() -> std::string {
+#ifdef JFA_WITH_CUDA
+    return jfa::sm80::built_variants();
+#else
+    return "";
+#endif
+  });
+
+  m.def("cuda_head_dim", [](int dtype, int head_dim) -> int {
+#ifdef JFA_WITH_CUDA
+    (void)dtype;
+    return jfa::sm80::round_up_head_dim(head_dim);
+#else
+    (void)dtype; (void)head_dim;
+    return -1;
+#endif
+  }, "Smallest head dim built for the CUDA kernels that is >= head_dim, or -1.");
+}

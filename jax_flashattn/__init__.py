@@ -1,0 +1,21 @@
+"""jax_flashattn: exact, memory-efficient attention for JAX as XLA FFI custom calls.
+
+    out = jax_flashattn.flash_attention(q, k, v, is_causal=True)          # native API
+    out, lse = jax_flashattn.flash_attention(q, k, v, return_lse=True)    # differentiable LSE
+    out = jax_flashattn.dot_product_attention(q, k, v, is_causal=True)    # jax.nn drop-in
+"""
+import pkgutil
+
+# Run from a source checkout (`python -m jax_flashattn` or `python -m pytest` in the repo root put
+# it first on sys.path), this package shadows the installed one, which alone holds the compiled
+# extension: let submodule imports also search the installed copy.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from . import batching as _batching  # noqa: F401  (registers the vmap rules)
+from ._ext import build_info
+from .attention import flash_attention
+from .dropin import dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attention", "dot_product_attention", "build_info", "__version__"]
