@@ -16,10 +16,5 @@ except ImportError:  # pragma: no cover - future versions
 # The batch dim of an operand vmap does not map (jax._src.interpreters.batching.not_mapped).
 not_mapped = None
 
-
-def replace_avals_out(ctx, avals_out):
-    """A lowering context whose results are `avals_out` (to add workspace outputs)."""
-    return ctx.replace(avals_out=avals_out)
-
 # Eager evaluation of a primitive: compile it alone and run it (what jax's own primitives do).
 from jax._src.dispatch import apply_primitive  # noqa: E402,F401

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ext
-from ._compat import Primitive, ShapedArray, apply_primitive, mlir, replace_avals_out
+from ._compat import Primitive, ShapedArray, apply_primitive, mlir
 
 attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -69,43 +69,66 @@ mlir.register_lowering(attention_bwd_p, _bwd_lowering_cpu, platform="cpu")
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
+# The CUDA kernels are built for a few head dims (JFA_HDIMS) with H == Hv. Other head dims up to 256
+# are padded with zeros up to the next built one inside the lowering: zero columns of q and k leave
+# the logits unchanged, zero columns of v give zero output columns, which are sliced off, and the
+# same holds for every gradient. The scale stays the caller's (1/sqrt of the unpadded H).
 
-def _check_cuda(q_aval, v_aval):
+def _cuda_head_dim(q_aval, v_aval) -> int:
     if not _ext.has_cuda():
         raise RuntimeError(
             "jax_flashattn was built without its CUDA kernels, so it cannot run on a GPU. "
-            "Reinstall on a machine with nvcc (CUDA 12.3+) on the PATH: pip install . "
-            "(see README, 'Building for a GPU').")
+            "Reinstall on a machine with nvcc and a GPU, or force the build with "
+            "pip install . -C cmake.define.JFA_CUDA=ON (see README, 'Building for a GPU').")
     if q_aval.dtype not in (jnp.float16, jnp.bfloat16):
         raise TypeError(
             f"jax_flashattn: the CUDA kernels take float16 or bfloat16 inputs, got {q_aval.dtype}; "
-            "cast query, key and value (accumulation is float32 inside the kernel)")
+            "cast query, key and value (softmax and accumulation are float32 inside the kernel)")
     H, Hv = q_aval.shape[-1], v_aval.shape[-1]
-    if H != Hv or _ext.cuda_head_dim(q_aval.dtype, H) != H:
+    padded = _ext.cuda_head_dim(q_aval.dtype, max(H, Hv))
+    if padded < 0:
         raise ValueError(
-            f"jax_flashattn: no CUDA kernel for head dims H={H}, Hv={Hv} "
-            f"(built: {_ext.build_info()['cuda_variants']})")
+            f"jax_flashattn: no CUDA kernel for head dims H={H}, Hv={Hv}; this build has "
+            f"{_ext.build_info()['cuda_variants']} (head dims above 256 are not supported)")
+    return padded
 
 
-def _fwd_lowering_cuda(ctx, q, k, v, *, scale, is_causal, implementation):
-    _require("cuda", implementation)
-    _check_cuda(ctx.avals_in[0], ctx.avals_in[2])
-    return jax.ffi.ffi_lowering(_ext.FORWARD_TARGET)(ctx, q, k, v, **_ffi_attrs(scale, is_causal))
+def _pad_last(x, size):
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _bwd_lowering_cuda(ctx, *args, scale, is_causal, implementation):
-    _require("cuda", implementation)
-    q_aval, v_aval = ctx.avals_in[0], ctx.avals_in[2]
-    _check_cuda(q_aval, v_aval)
-    B, T, N, H = q_aval.shape
-    # Workspace the kernels need, as extra results XLA allocates: the float32 dQ accumulator
-    # and D = rowsum(dO∘O) − dLSE. Only dq, dk, dv are returned to JAX.
-    workspace = (ShapedArray((B, T, N, H), jnp.float32), ShapedArray((B, N, T), jnp.float32))
-    ctx = replace_avals_out(ctx, tuple(ctx.avals_out) + workspace)
-    results = jax.ffi.ffi_lowering(_ext.BACKWARD_TARGET)(ctx, *args,
-                                                         **_ffi_attrs(scale, is_causal))
-    return results[:3]
+def _cuda_forward(q, k, v, *, scale, is_causal):
+    Hp = _cuda_head_dim(q.aval, v.aval)
+    B, T, N, _ = q.shape
+    o, lse = jax.ffi.ffi_call(
+        _ext.FORWARD_TARGET,
+        (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), **_ffi_attrs(scale, is_causal))
+    return o[..., : v.shape[-1]], lse
 
 
-mlir.register_lowering(attention_fwd_p, _fwd_lowering_cuda, platform="cuda")
-mlir.register_lowering(attention_bwd_p, _bwd_lowering_cuda, platform="cuda")
+def _cuda_backward(q, k, v, o, lse, do, dlse, *, scale, is_causal):
+    Hp = _cuda_head_dim(q.aval, v.aval)
+    B, T, N, _ = q.shape
+    padded = [_pad_last(x, Hp) for x in (q, k, v, o)]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
+    # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
+    # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
+    shapes += [jax.ShapeDtypeStruct((B, T, N, Hp), jnp.float32),
+               jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
+        *padded, lse, _pad_last(do, Hp), dlse, **_ffi_attrs(scale, is_causal))
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
+
+
+def _cuda_lowering(fn):
+    lowered = mlir.lower_fun(fn, multiple_results=True)
+
+    def rule(ctx, *args, scale, is_causal, implementation):
+        _require("cuda", implementation)
+        return lowered(ctx, *args, scale=scale, is_causal=is_causal)
+    return rule
+
+
+mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward), platform="cuda")
+mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward), platform="cuda")

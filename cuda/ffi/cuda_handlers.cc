@@ -1,0 +1,107 @@
+// XLA FFI handlers for the CUDA platform: decode, check what the kernels support, launch on XLA's
+// stream. Workspace (the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE) arrives as extra
+// outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
+// capture in CUDA graphs.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "ffi/decode.h"
+#include "ffi/handlers.h"
+#include "sm80/api.h"
+
+namespace jfa {
+namespace {
+
+namespace ffi = xla::ffi;
+using ffi_decode::decode_backward;
+using ffi_decode::decode_forward;
+using ffi_decode::invalid;
+
+// What the CUDA kernels need beyond a valid attention call.
+ffi::Error check_cuda_support(const AttentionParams& p) {
+  if (p.dtype == DType::kFloat32)
+    return invalid("the CUDA kernels take float16 or bfloat16 inputs, got float32");
+  if (p.H != p.Hv)
+    return invalid("the CUDA kernels need equal head dims for key and value, got H=" +
+                   std::to_string(p.H) + ", Hv=" + std::to_string(p.Hv));
+  if (!sm80::is_built(p.dtype, static_cast<int>(p.H)))
+    return invalid("head dim " + std::to_string(p.H) + " for " + dtype_name(p.dtype) +
+                   " is not built (built: " + sm80::built_variants() + ")");
+  return ffi::Error::Success();
+}
+
+ffi::Error launched(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_flashattn: ") + what +
+                              " kernel launch failed: " + cudaGetErrorString(err));
+}
+
+ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       float scale, int32_t is_causal) {
+  AttentionParams p;
+  if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
+  if (auto e = check_cuda_support(p); e.failure()) return e;
+  if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
+  return launched(sm80::forward(p, stream), "forward");
+}
+
+ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                        ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dq_accum,
+                        ffi::Result<ffi::AnyBuffer> softmax_d, float scale, int32_t is_causal) {
+  AttentionParams p;
+  if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
+      e.failure())
+    return e;
+  if (auto e = check_cuda_support(p); e.failure()) return e;
+  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.T, p.N, p.H},
+                                  ffi::DataType::F32);
+      e.failure())
+    return e;
+  if (auto e = ffi_decode::expect(*softmax_d, "softmax workspace", {p.B, p.N, p.T},
+                                  ffi::DataType::F32);
+      e.failure())
+    return e;
+  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
+  if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) return ffi::Error::Success();
+  return launched(sm80::backward(p, stream), "backward");
+}
+
+}  // namespace
+}  // namespace jfa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Ret<xla::ffi::AnyBuffer>()  // o
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("is_causal"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k
+                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // o
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse
+                                  .Arg<xla::ffi::AnyBuffer>()  // dout
+                                  .Arg<xla::ffi::AnyBuffer>()  // dlse
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 BTNH
+                                  .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("is_causal"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

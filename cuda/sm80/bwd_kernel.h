@@ -1,0 +1,394 @@
+// Backward kernels (FlashAttention-2 on mma.sync).
+//
+//   1. bwd_preprocess_kernel: D = rowsum(dO∘O) − dLSE into softmax_d [B,N,T].
+//   2. bwd_kernel: one CTA per (key tile, kv head, batch). It loops over the G query heads of its
+//      group and over their query tiles, so dK and dV are complete in registers at the end
+//      (no atomics, no workspace for them). Per query tile:
+//        S = Q·Kᵀ, P = exp2(S·scale_log2 − LSE·log2 e)            (recomputed, P -> smem)
+//        dP = dO·Vᵀ, dS = P∘(dP − D)                              (dS -> smem)
+//        dV += Pᵀ·dO, dK += dSᵀ·Q, dQ_accum += dS·K (fp32 atomics)
+//      The next Q tile (double-buffered) and dO tile load with cp.async behind the gemms.
+//   3. bwd_convert_dq_kernel: dq = scale · dq_accum, cast to the element type.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "jfa/params.h"
+#include "kernel_traits.h"
+#include "mask.h"
+#include "utils.h"
+
+namespace jfa::sm80 {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// 1. D = rowsum(dO∘O) − dLSE. kThreadsPerRow threads read one (b, t, n) row with 16-byte loads.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const AttentionParams p) {
+  constexpr int kElems = 8;
+  constexpr int kThreadsPerRow = kHeadDim / kElems;  // 4, 8, 12, 16, 24 or 32
+  constexpr int kLanesPerRow = kThreadsPerRow <= 4 ? 4 : kThreadsPerRow <= 8 ? 8 : kThreadsPerRow <= 16 ? 16 : 32;
+  constexpr int kRowsPerBlock = 256 / kLanesPerRow;
+  const int lane_in_row = threadIdx.x % kLanesPerRow;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;  // over (b, t, n)
+  const int64_t rows = p.B * p.T * p.N;
+  float acc = 0.f;
+  int64_t n = 0, t = 0, b = 0;
+  if (row < rows) {
+    n = row % p.N;
+    t = (row / p.N) % p.T;
+    b = row / (p.N * p.T);
+    if (lane_in_row < kThreadsPerRow) {
+      const Element* o = static_cast<const Element*>(p.o) + b * p.o_strides.batch + t * p.o_strides.row + n * p.o_strides.head;
+      const Element* d = static_cast<const Element*>(p.dout) + b * p.do_strides.batch + t * p.do_strides.row + n * p.do_strides.head;
+      const uint4 ov = reinterpret_cast<const uint4*>(o)[lane_in_row];
+      const uint4 dv = reinterpret_cast<const uint4*>(d)[lane_in_row];
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
+      CUTE_UNROLL
+      for (int i = 0; i < kElems; ++i) acc += float(oe[i]) * float(de[i]);
+    }
+  }
+  CUTE_UNROLL
+  for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if (row < rows && lane_in_row == 0) {
+    if (p.dlse != nullptr) acc -= p.dlse[b * p.lse_strides.batch + t * p.lse_strides.row + n * p.lse_strides.head];
+    p.softmax_d[(b * p.N + n) * p.T + t] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. dq = scale · dq_accum. One thread per 8 consecutive elements of a row.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const AttentionParams p) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  const int64_t rows = p.B * p.T * p.N;
+  if (idx >= rows * kChunks) return;
+  const int64_t row = idx / kChunks;
+  const int chunk = int(idx % kChunks);
+  const int64_t n = row % p.N, t = (row / p.N) % p.T, b = row / (p.N * p.T);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kHeadDim + chunk * 8);
+  const float4 lo = src[0], hi = src[1];
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint4 out;
+  Element* oe = reinterpret_cast<Element*>(&out);
+  CUTE_UNROLL
+  for (int i = 0; i < 8; ++i) oe[i] = Element(v[i] * p.scale);
+  Element* dq = static_cast<Element*>(p.dq) + b * p.dq_strides.batch + t * p.dq_strides.row + n * p.dq_strides.head;
+  reinterpret_cast<uint4*>(dq)[chunk] = out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. The main kernel.
+template <typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const AttentionParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr bool kDoubleBufferQ = Traits::kDoubleBufferQ;
+  extern __shared__ char smem[];
+
+  const int num_n_blocks = (int(p.S) + kBlockN - 1) / kBlockN;
+  const int64_t bid = blockIdx.x;
+  const int n_block = int(bid % num_n_blocks);
+  const int64_t bk = bid / num_n_blocks;
+  const int kv_head = int(bk % p.K);
+  const int64_t batch = bk / p.K;
+  const int tidx = threadIdx.x;
+  const int T = int(p.T), S = int(p.S);
+  const int G = int(p.N / p.K);
+  const int n0 = n_block * kBlockN;
+
+  // Query tiles that see this key tile: causal (top-left) skips those entirely above the diagonal.
+  const int num_m_blocks = (T + kBlockM - 1) / kBlockM;
+  const int m_block_min = kCausal ? min(n0 / kBlockM, num_m_blocks) : 0;
+  const int m_per_head = num_m_blocks - m_block_min;
+  const int num_steps = G * m_per_head;  // step j: head g = j / m_per_head, m_block = m_block_min + j % m_per_head
+
+  // Tensors that do not depend on the step.
+  const Element* k_ptr = static_cast<const Element*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
+  const Element* v_ptr = static_cast<const Element*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
+  Tensor gK = local_tile(make_tensor(make_gmem_ptr(k_ptr), make_shape(S, Int<kHeadDim>{}), make_stride(p.k_strides.row, _1{})),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(make_tensor(make_gmem_ptr(v_ptr), make_shape(S, Int<kHeadDim>{}), make_stride(p.v_strides.row, _1{})),
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+
+  // Smem: Q (1 or 2 buffers), dO, K, V, P, dS.
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQdO{});
+  constexpr int kQBuffers = kDoubleBufferQ ? 2 : 1;
+  Tensor sdO = make_tensor(sQ.data() + kQBuffers * size(sQ), typename Traits::SmemLayoutQdO{});
+  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQdOt{});
+  Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdStNoSwizzle = make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+
+  typename Traits::GmemTiledCopyLoad gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tQcQ = gmem_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // Pointers of step j's query tile (head g, rows m0..m0+kBlockM).
+  struct Step {
+    int g, m0;
+    int64_t head;
+  };
+  auto step_of = [&](int j) {
+    Step s;
+    s.g = j / m_per_head;
+    s.m0 = (m_block_min + j % m_per_head) * kBlockM;
+    s.head = int64_t(kv_head) * G + s.g;
+    return s;
+  };
+  auto q_tile = [&](const Step& s) {
+    const Element* ptr = static_cast<const Element*>(p.q) + batch * p.q_strides.batch + s.head * p.q_strides.head +
+                         int64_t(s.m0) * p.q_strides.row;
+    return make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.q_strides.row, _1{}));
+  };
+  auto do_tile = [&](const Step& s) {
+    const Element* ptr = static_cast<const Element*>(p.dout) + batch * p.do_strides.batch + s.head * p.do_strides.head +
+                         int64_t(s.m0) * p.do_strides.row;
+    return make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.do_strides.row, _1{}));
+  };
+  auto load_q = [&](const Step& s, int buffer) {
+    Tensor tQgQ = gmem_thr.partition_S(q_tile(s));
+    Tensor tQsQ = gmem_thr.partition_D(make_tensor(sQ.data() + buffer * size(sQ), sQ.layout()));
+    copy_rows<true>(gmem_copy, tQgQ, tQsQ, tQcQ, T - s.m0);
+  };
+  auto load_do = [&](const Step& s) {
+    Tensor tdOgdO = gmem_thr.partition_S(do_tile(s));
+    copy_rows<true>(gmem_copy, tdOgdO, tdOsdO, tQcQ, T - s.m0);
+  };
+
+  // Mma partitions.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwizzle);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
+
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwizzle);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+
+  // Smem -> register copies (ldmatrix, .trans for the transposed operands) and C -> smem stores.
+  auto smem_copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto smem_thr_a_sdp = smem_copy_a_sdp.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_a_sdp.partition_S(sQ);
+  Tensor tdPsdO = smem_thr_a_sdp.partition_S(sdO);
+  auto smem_copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto smem_thr_b_sdp = smem_copy_b_sdp.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_b_sdp.partition_S(sK);
+  Tensor tdPsV = smem_thr_b_sdp.partition_S(sV);
+  auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
+  auto smem_thr_pds = smem_copy_pds.get_thread_slice(tidx);
+  Tensor tPsP = smem_thr_pds.partition_D(sP);
+  Tensor tdSsdS = smem_thr_pds.partition_D(sdS);
+
+  auto smem_copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto smem_thr_a_dkv = smem_copy_a_dkv.get_thread_slice(tidx);
+  Tensor tdVsPt = smem_thr_a_dkv.partition_S(sPt);
+  Tensor tdKsdSt = smem_thr_a_dkv.partition_S(sdSt);
+  auto smem_copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto smem_thr_b_dkv = smem_copy_b_dkv.get_thread_slice(tidx);
+  Tensor tdVsdOt = smem_thr_b_dkv.partition_S(sdOt);
+
+  auto smem_copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto smem_thr_a_dq = smem_copy_a_dq.get_thread_slice(tidx);
+  Tensor tdQsdS = smem_thr_a_dq.partition_S(sdS);
+  auto smem_copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto smem_thr_b_dq = smem_copy_b_dq.get_thread_slice(tidx);
+  Tensor tdQsKt = smem_thr_b_dq.partition_S(sKt);
+
+  // Coordinates of this thread's S/dP elements (rows for LSE/D, both for masks) and dQ elements.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kNRows = decltype(size<0>(tScS_rc))::value;
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  // Per-row LSE (pre-multiplied by log2 e) and D of a step. Rows past T get LSE = +inf, so P = 0.
+  float lse_log2[kNRows], dsum[kNRows];
+  auto load_row_stats = [&](const Step& s) {
+    const float* lse_ptr = p.lse + batch * p.lse_strides.batch + s.head * p.lse_strides.head;
+    const float* d_ptr = p.softmax_d + (batch * p.N + s.head) * p.T;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const int row = s.m0 + get<0>(tScS_rc(mi, 0));
+      const bool valid = row < T;
+      const float lse = valid ? lse_ptr[int64_t(row) * p.lse_strides.row] : INFINITY;
+      lse_log2[mi] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);  // empty row: P = 0
+      dsum[mi] = valid ? d_ptr[row] : 0.f;
+    }
+  };
+
+  clear(acc_dk);
+  clear(acc_dv);
+
+  if (num_steps > 0) {
+    // Prologue: K, V, the first Q and dO tiles.
+    Step cur = step_of(0);
+    copy_rows<true>(gmem_copy, gmem_thr.partition_S(gK), tKsK, tKVcKV, S - n0);
+    copy_rows<true>(gmem_copy, gmem_thr.partition_S(gV), tVsV, tKVcKV, S - n0);
+    load_q(cur, 0);
+    load_do(cur);
+    cute::cp_async_fence();
+    load_row_stats(cur);
+
+    for (int j = 0; j < num_steps; ++j) {
+      const int buffer = kDoubleBufferQ ? (j & 1) : 0;
+      const bool has_next = j + 1 < num_steps;
+      const Step next = step_of(has_next ? j + 1 : j);
+      Tensor tSsQ_cur = make_tensor(tSsQ.data() + buffer * size(sQ), tSsQ.layout());
+
+      cp_async_wait<0>();
+      __syncthreads();  // Q, dO of this step visible; previous step done with sP, sdS
+
+      // S = Q·Kᵀ and P.
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ_cur, tSsK, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
+              smem_thr_b_sdp);
+      Tensor scores = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      if (tile_needs_mask<kCausal>(cur.m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, cur.m0, n0, S);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(scores); ++ni)
+          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2[mi]);
+      }
+      Tensor rP = convert_type<Element>(acc_s);
+      cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
+
+      // dP = dO·Vᵀ and dS = P∘(dP − D).
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
+              smem_thr_b_sdp);
+      Tensor dS = make_tensor(acc_dp.data(), scores.layout());
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(dS); ++ni) dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dsum[mi]);
+      }
+
+      // The next Q tile goes to the other buffer while this one is still read by dK.
+      if (kDoubleBufferQ && has_next) {
+        load_q(next, buffer ^ 1);
+        cute::cp_async_fence();
+      }
+
+      Tensor rdS = convert_type<Element>(acc_dp);
+      cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), tdSsdS);
+      __syncthreads();  // sP, sdS complete
+
+      // dV += Pᵀ·dO.
+      gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, tdVsdOt, mma_dkv, smem_copy_a_dkv, smem_copy_b_dkv, smem_thr_a_dkv,
+              smem_thr_b_dkv);
+      __syncthreads();  // everyone is done with sdO
+      if (has_next) {
+        load_do(next);
+        cute::cp_async_fence();
+      }
+
+      // dQ_accum += dS·K (unscaled; the convert kernel applies the softmax scale).
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      static_assert(decltype(size<0>(acc_dq))::value == 4);
+      clear(acc_dq);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, smem_copy_a_dq, smem_copy_b_dq, smem_thr_a_dq,
+              smem_thr_b_dq);
+      {
+        float* dq_ptr = p.dq_accum + ((batch * p.T + cur.m0) * p.N + cur.head) * kHeadDim;
+        const int64_t row_stride = p.N * kHeadDim;
+        // m16n8 C fragment: values (0,1) are (row r, cols c, c+1), values (2,3) are (r+8, c, c+1).
+        // Hopper adds pairs with one 8-byte atomic (16-byte atomics after a lane-pair shuffle
+        // measured 3% slower on H200).
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {
+          const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+          if (cur.m0 + row < T) {
+            float* addr = dq_ptr + row * row_stride + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(addr), make_float2(acc_dq(i), acc_dq(i + 1)));
+#else
+            atomicAdd(addr, acc_dq(i));
+            atomicAdd(addr + 1, acc_dq(i + 1));
+#endif
+          }
+        }
+      }
+
+      // dK += dSᵀ·Q.
+      if (has_next) load_row_stats(next);
+      Tensor tdKsQt = smem_thr_b_dkv.partition_S(
+          make_tensor(sQ.data() + buffer * size(sQ), typename Traits::SmemLayoutQdOt{}));
+      gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, smem_copy_a_dkv, smem_copy_b_dkv, smem_thr_a_dkv,
+              smem_thr_b_dkv);
+      if (!kDoubleBufferQ && has_next) {
+        __syncthreads();  // everyone is done with sQ
+        load_q(next, 0);
+        cute::cp_async_fence();
+      }
+      cur = next;
+    }
+  }
+
+  // Epilogue: dK (scaled) and dV through smem (reusing sK, sV) to coalesced 16-byte stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.scale;
+  Tensor rdK = convert_type<Element>(acc_dk);
+  Tensor rdV = convert_type<Element>(acc_dv);
+  Tensor sdK = make_tensor(sK.data(), typename Traits::SmemLayoutdKV{});
+  Tensor sdV = make_tensor(sV.data(), typename Traits::SmemLayoutdKV{});
+  auto smem_copy_dkv = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
+  auto smem_thr_dkv = smem_copy_dkv.get_thread_slice(tidx);
+  __syncthreads();  // everyone is done with sK, sV
+  cute::copy(smem_copy_dkv, smem_thr_dkv.retile_S(rdK), smem_thr_dkv.partition_D(sdK));
+  cute::copy(smem_copy_dkv, smem_thr_dkv.retile_S(rdV), smem_thr_dkv.partition_D(sdV));
+  __syncthreads();
+
+  Element* dk_ptr = static_cast<Element*>(p.dk) + batch * p.dk_strides.batch + kv_head * p.dk_strides.head;
+  Element* dv_ptr = static_cast<Element*>(p.dv) + batch * p.dv_strides.batch + kv_head * p.dv_strides.head;
+  Tensor gdK = local_tile(make_tensor(make_gmem_ptr(dk_ptr), make_shape(S, Int<kHeadDim>{}), make_stride(p.dk_strides.row, _1{})),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gdV = local_tile(make_tensor(make_gmem_ptr(dv_ptr), make_shape(S, Int<kHeadDim>{}), make_stride(p.dv_strides.row, _1{})),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  typename Traits::GmemTiledCopyStore gmem_copy_out;
+  auto gmem_thr_out = gmem_copy_out.get_thread_slice(tidx);
+  Tensor tdKgdK = gmem_thr_out.partition_D(gdK);
+  Tensor tdVgdV = gmem_thr_out.partition_D(gdV);
+  Tensor tdKrdK = make_tensor<Element>(shape(tdKgdK));
+  Tensor tdVrdV = make_tensor<Element>(shape(tdVgdV));
+  cute::copy(gmem_copy_out, gmem_thr_out.partition_S(sdK), tdKrdK);
+  cute::copy(gmem_copy_out, gmem_thr_out.partition_S(sdV), tdVrdV);
+  Tensor tcOut = gmem_thr_out.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  copy_rows<false>(gmem_copy_out, tdKrdK, tdKgdK, tcOut, S - n0);
+  copy_rows<false>(gmem_copy_out, tdVrdV, tdVgdV, tcOut, S - n0);
+}
+
+}  // namespace jfa::sm80

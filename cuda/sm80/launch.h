@@ -1,0 +1,77 @@
+// Templated launchers of the sm80 kernels. Each generated instantiation file (one per
+// fwd/bwd x dtype x hdim, see cuda/generate_instantiations.py) instantiates run_fwd or run_bwd
+// (run.h) for one type: it explicitly instantiates the definitions below.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd_kernel.h"
+#include "fwd_kernel.h"
+#include "jfa/params.h"
+#include "kernel_traits.h"
+#include "run.h"
+
+namespace jfa::sm80 {
+
+namespace detail {
+
+// Kernels using more than 48 KB of dynamic smem must opt in before their launch.
+template <typename Kernel>
+cudaError_t set_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <typename Traits, bool kCausal>
+cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
+  auto kernel = &fwd_kernel<Traits, kCausal>;
+  constexpr int smem = Traits::kSmemSize;
+  if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
+  const int64_t blocks = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;
+  kernel<<<dim3(unsigned(blocks)), Traits::kNThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename Traits, bool kCausal>
+cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
+  auto kernel = &bwd_kernel<Traits, kCausal>;
+  constexpr int smem = Traits::kSmemSize;
+  if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
+  const int64_t blocks = (p.S + Traits::kBlockN - 1) / Traits::kBlockN * p.K * p.B;
+  kernel<<<dim3(unsigned(blocks)), Traits::kNThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
+  return p.is_causal ? detail::launch_fwd<Traits, true>(p, stream) : detail::launch_fwd<Traits, false>(p, stream);
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
+  const int64_t rows = p.B * p.T * p.N;
+
+  // dq_accum is accumulated with atomics: start from zero.
+  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, size_t(rows) * kHeadDim * sizeof(float), stream);
+  if (err != cudaSuccess) return err;
+
+  constexpr int kLanesPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
+  constexpr int kRowsPerBlock = 256 / kLanesPerRow;
+  bwd_preprocess_kernel<Element, kHeadDim>
+      <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  err = p.is_causal ? detail::launch_bwd_main<Traits, true>(p, stream)
+                    : detail::launch_bwd_main<Traits, false>(p, stream);
+  if (err != cudaSuccess) return err;
+
+  const int64_t chunks = rows * (kHeadDim / 8);
+  bwd_convert_dq_kernel<Element, kHeadDim><<<dim3(unsigned((chunks + 255) / 256)), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jfa::sm80

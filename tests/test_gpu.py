@@ -1,0 +1,143 @@
+"""The CUDA kernels on a GPU: forward, LSE and gradients against the float32 reference, with the
+error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
+
+Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
+skipping (README, "Developing")."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn as jfa
+from util import fresh_seed, random_qkv, reference_with_grads, rel_err
+
+pytestmark = pytest.mark.gpu
+
+# (B, T, S, N, K, H, Hv): odd sizes, T = 1, S = 1, T != S, GQA, MQA, every built head dim and
+# some that are padded up (40, 80, Hv != H).
+SHAPES = [
+    (2, 17, 17, 4, 4, 64, 64),
+    (1, 1, 255, 4, 2, 64, 64),
+    (1, 255, 1, 4, 1, 128, 128),
+    (2, 255, 1000, 8, 2, 128, 128),
+    (1, 1000, 255, 4, 1, 96, 96),
+    (1, 17, 33, 2, 2, 256, 256),
+    (1, 300, 300, 2, 1, 192, 192),
+    (1, 64, 64, 4, 4, 32, 32),
+    (1, 100, 130, 6, 3, 80, 80),
+    (1, 50, 70, 2, 2, 64, 40),
+    (2, 1024, 1024, 8, 2, 128, 128),
+]
+DTYPES = [jnp.float16, jnp.bfloat16]
+# Absolute slack added to 2 x the peer's error (forward; gradients take 4x).
+SLACK = {jnp.float16: 1e-3, jnp.bfloat16: 4e-3}
+
+
+def _peer(q, k, v, is_causal):
+    """jax.nn in the same dtype: cuDNN where it supports the call, else XLA."""
+    if q.shape[-1] == v.shape[-1]:
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal,
+                                                implementation="cudnn")
+        except Exception:  # cuDNN rejects some head dims / lengths
+            pass
+    B, T, N, H = q.shape
+    Hv = v.shape[-1]
+    if H != Hv:  # jax.nn needs Hv == H: pad v, slice the output
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, H - Hv)])
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal,
+                                        implementation="xla")[..., :Hv]
+
+
+def _ids(s):
+    return "B{}T{}S{}N{}K{}H{}Hv{}".format(*s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_forward_matches_reference(shape, is_causal, dtype):
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, *shape, dtype=dtype)
+    f = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal,
+                                                    return_lse=True, implementation="cuda"))
+    out, lse = f(q, k, v)
+    ref_out, ref_lse, _ = reference_with_grads(q, k, v, jnp.zeros(out.shape, dtype),
+                                               jnp.zeros(lse.shape), is_causal=is_causal)
+    peer_err = rel_err(_peer(q, k, v, is_causal), ref_out)
+    err = rel_err(out, ref_out)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert err <= 2 * peer_err + SLACK[dtype], f"seed {seed}: {err} vs jax.nn {peer_err}"
+    assert rel_err(lse, ref_lse) <= 1e-4, f"seed {seed}: lse {rel_err(lse, ref_lse)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_gradients_match_reference(shape, is_causal, dtype):
+    seed = fresh_seed()
+    B, T, S, N, K, H, Hv = shape
+    q, k, v = random_qkv(seed, *shape, dtype=dtype)
+    do = jax.random.normal(jax.random.key(seed + 1), (B, T, N, Hv)).astype(dtype)
+    dlse = jax.random.normal(jax.random.key(seed + 2), (B, T, N), jnp.float32)
+
+    ours = jax.jit(lambda q, k, v: jax.vjp(
+        lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal, return_lse=True,
+                                            implementation="cuda"), q, k, v)[1]((do, dlse)))(q, k, v)
+    _, _, ref = reference_with_grads(q, k, v, do, dlse, is_causal=is_causal)
+    # The peer's gradient error, from its output cotangent alone (jax.nn's LSE is not
+    # differentiable): a fair yardstick of bf16/fp16 rounding in the backward pass.
+    peer = jax.vjp(lambda q, k, v: _peer(q, k, v, is_causal), q, k, v)[1](do)
+    _, _, ref_do = reference_with_grads(q, k, v, do, jnp.zeros_like(dlse), is_causal=is_causal)
+    for name, g, r, p, rp, x in zip("qkv", ours, ref, peer, ref_do, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        bound = 2 * rel_err(p, rp) + 4 * SLACK[dtype]
+        assert rel_err(g, r) <= bound, f"seed {seed}: d{name} {rel_err(g, r)} > {bound}"
+
+
+def test_vmap_and_unbatched_on_gpu():
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, 3, 70, 90, 4, 2, 64, dtype=jnp.bfloat16)
+    out = jax.jit(jax.vmap(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True),
+                           in_axes=(0, None, None)))(q, k[0], v[0])
+    ref, _, _ = reference_with_grads(q, jnp.broadcast_to(k[:1], k.shape),
+                                     jnp.broadcast_to(v[:1], v.shape), jnp.zeros(q.shape),
+                                     jnp.zeros(q.shape[:3]), is_causal=True)
+    assert rel_err(out, ref) <= 2e-2, f"seed {seed}"
+
+
+def test_dropin_runs_our_kernel_on_gpu():
+    q, k, v = random_qkv(fresh_seed(), 2, 128, 128, 4, 4, 64, dtype=jnp.bfloat16)
+    hlo = jax.jit(lambda q, k, v: jfa.dot_product_attention(q, k, v, is_causal=True)).lower(
+        q, k, v).as_text()
+    assert "jfa_attention_fwd" in hlo
+    ours = jfa.dot_product_attention(q, k, v, is_causal=True)
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    assert rel_err(ours, theirs) <= 2e-2
+
+
+def test_float32_on_gpu_is_a_clear_type_error():
+    q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 64)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        jax.jit(jfa.flash_attention)(q, k, v)
+
+
+def test_head_dim_above_256_is_a_clear_error():
+    q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 320, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="head dims"):
+        jax.jit(jfa.flash_attention)(q, k, v)
+
+
+def test_cpu_implementation_on_gpu_is_a_clear_error():
+    q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='cpu'"):
+        jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, implementation="cpu"))(q, k, v)
+
+
+def test_repeated_calls_are_deterministic_in_forward():
+    q, k, v = random_qkv(fresh_seed(), 1, 512, 512, 4, 4, 128, dtype=jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True))
+    np.testing.assert_array_equal(np.asarray(f(q, k, v).astype(jnp.float32)),
+                                  np.asarray(f(q, k, v).astype(jnp.float32)))
