@@ -36,11 +36,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     (as jax.nn). See jax.nn.dot_product_attention for the arguments.
     """
     if implementation in ("xla", "cudnn"):
+        # return_residual only when asked: jax releases before 0.7 do not have the argument.
+        extra = {"return_residual": True} if return_residual else {}
         return _jax_nn_dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size, implementation=implementation,
-            return_residual=return_residual)
+            local_window_size=local_window_size, implementation=implementation, **extra)
     given = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,
                  local_window_size=local_window_size)
