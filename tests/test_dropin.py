@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +136,28 @@ def test_swapping_into_jax_nn_keeps_results(monkeypatch):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     for g, r in zip(got[1], expected[1]):
         assert rel_err(g, r) <= 4e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("use_vmap", [False, True], ids=["plain", "vmap"])
+def test_jax_nn_test_style_calls(group, use_vmap):
+    """As jax's own dot_product_attention tests call it: bias and mask passed positionally as
+    None, vmapped with in_axes None for them, gradients through jax.vjp; GQA against repeated K/V."""
+    seed = fresh_seed()
+    B, T, S, N, H = 2, 128, 128, 4, 32
+    q, k, v = random_qkv(seed, B, T, S, N, N // group, H, dtype=jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(seed + 1), (B, T, N, H), jnp.bfloat16)
+    ours = jfa.dot_product_attention
+    if use_vmap:
+        ours = jax.vmap(ours, in_axes=(0, 0, 0, None, None))
+    out, pullback = jax.vjp(ours, q, k, v, None, None)
+    grads = pullback(ct)[:3]
+    k_rep, v_rep = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    ref, ref_pullback = jax.vjp(partial(jax.nn.dot_product_attention, implementation="xla"),
+                                q, k_rep, v_rep, None, None)
+    dq, dk, dv = ref_pullback(ct)[:3]
+    dk = dk.reshape(B, S, N // group, group, H).sum(3)
+    dv = dv.reshape(B, S, N // group, group, H).sum(3)
+    for a, b in zip((out,) + tuple(grads), (ref, dq, dk, dv)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=0.01, rtol=0.01, err_msg=f"seed {seed}")
