@@ -54,18 +54,17 @@ def _require(platform: str, implementation):
 
 # ---- CPU -----------------------------------------------------------------------------------------
 
-def _fwd_lowering_cpu(ctx, q, k, v, *, scale, is_causal, implementation):
-    _require("cpu", implementation)
-    return jax.ffi.ffi_lowering(_ext.FORWARD_TARGET)(ctx, q, k, v, **_ffi_attrs(scale, is_causal))
+def _cpu_lowering(target):
+    lowered = jax.ffi.ffi_lowering(target)
+
+    def rule(ctx, *args, scale, is_causal, implementation):
+        _require("cpu", implementation)
+        return lowered(ctx, *args, **_ffi_attrs(scale, is_causal))
+    return rule
 
 
-def _bwd_lowering_cpu(ctx, *args, scale, is_causal, implementation):
-    _require("cpu", implementation)
-    return jax.ffi.ffi_lowering(_ext.BACKWARD_TARGET)(ctx, *args, **_ffi_attrs(scale, is_causal))
-
-
-mlir.register_lowering(attention_fwd_p, _fwd_lowering_cpu, platform="cpu")
-mlir.register_lowering(attention_bwd_p, _bwd_lowering_cpu, platform="cpu")
+mlir.register_lowering(attention_fwd_p, _cpu_lowering(_ext.FORWARD_TARGET), platform="cpu")
+mlir.register_lowering(attention_bwd_p, _cpu_lowering(_ext.BACKWARD_TARGET), platform="cpu")
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
