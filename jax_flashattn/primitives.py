@@ -92,6 +92,12 @@ def _cuda_head_dim(q_aval, v_aval) -> int:
     return padded
 
 
+def _dq_accum_rows(T):
+    # Query rows of the dQ accumulator, padded as jfa::AttentionParams::dq_accum_rows() expects.
+    align = 128  # jfa::kDqAccumRowAlign (cuda/include/jfa/params.h)
+    return -(-T // align) * align
+
+
 def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
@@ -113,7 +119,7 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *, scale, is_causal):
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
     # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
-    shapes += [jax.ShapeDtypeStruct((B, T, N, Hp), jnp.float32),
+    shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     dq, dk, dv, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, **_ffi_attrs(scale, is_causal))

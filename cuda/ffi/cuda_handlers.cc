@@ -58,7 +58,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure())
     return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
-  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.T, p.N, p.H},
+  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.N, p.dq_accum_rows(), p.H},
                                   ffi::DataType::F32);
       e.failure())
     return e;
@@ -100,7 +100,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dq
                                   .Ret<xla::ffi::AnyBuffer>()  // dk
                                   .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 BTNH
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal"),

@@ -55,8 +55,9 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
   const int64_t rows = p.B * p.T * p.N;
 
-  // dq_accum is accumulated with atomics: start from zero.
-  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, size_t(rows) * kHeadDim * sizeof(float), stream);
+  // dq_accum is accumulated with atomics: start from zero (padding rows included).
+  cudaError_t err =
+      cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
 
   constexpr int kLanesPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
@@ -69,8 +70,8 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
                     : detail::launch_bwd_main<Traits, false>(p, stream);
   if (err != cudaSuccess) return err;
 
-  const int64_t chunks = rows * (kHeadDim / 8);
-  bwd_convert_dq_kernel<Element, kHeadDim><<<dim3(unsigned((chunks + 255) / 256)), 256, 0, stream>>>(p);
+  const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;
+  bwd_convert_dq_kernel<Traits><<<dim3(unsigned(tiles)), Traits::kNThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

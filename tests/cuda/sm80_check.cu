@@ -236,7 +236,9 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMalloc(&d_lse, rows * 4)); CK(cudaMemset(d_lse, 0xFF, rows * 4));
   CK(cudaMalloc(&d_dlse, rows * 4));
   CK(cudaMemcpy(d_dlse, dlse.data(), rows * 4, cudaMemcpyHostToDevice));
-  CK(cudaMalloc(&d_dqacc, rows * c.H * 4)); CK(cudaMemset(d_dqacc, 0xFF, rows * c.H * 4));
+  const size_t acc_elems = size_t(c.B) * c.N * ((c.T + jfa::kDqAccumRowAlign - 1) / jfa::kDqAccumRowAlign) *
+                           jfa::kDqAccumRowAlign * c.H;  // padded rows (params.h)
+  CK(cudaMalloc(&d_dqacc, acc_elems * 4)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
   CK(cudaMalloc(&d_D, rows * 4)); CK(cudaMemset(d_D, 0xFF, rows * 4));
   p.o = d_o; p.o_strides = o_layout.strides();
   p.lse = d_lse; p.lse_strides = jfa::Strides{int64_t(c.T) * c.N, c.N, 1};
@@ -312,7 +314,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   void* bufs[8];
   for (int i = 0; i < 8; ++i) bufs[i] = upload(h);
   float *lse, *dqacc, *D;
-  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, rows * H * 4)); CK(cudaMalloc(&D, rows * 4));
+  const size_t acc_rows = size_t(B) * N * ((T + jfa::kDqAccumRowAlign - 1) / jfa::kDqAccumRowAlign) * jfa::kDqAccumRowAlign;
+  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * H * 4)); CK(cudaMalloc(&D, rows * 4));
   auto st = jfa::packed_strides(T, N, H);
   p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3]; p.dout = bufs[4];
   p.dq = bufs[5]; p.dk = bufs[6]; p.dv = bufs[7];

@@ -19,6 +19,10 @@
 
 namespace jfa {
 
+// Rows of the dQ accumulator are padded to a multiple of this (a multiple of every backward
+// kBlockM). jax_flashattn/primitives.py sizes the workspace with the same constant.
+inline constexpr int64_t kDqAccumRowAlign = 128;
+
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline const char* dtype_name(DType t) {
@@ -72,8 +76,15 @@ struct AttentionParams {
   Strides do_strides, dq_strides, dk_strides, dv_strides;
 
   // Backward workspace for GPU kernels, provided by the FFI (never allocated per call).
-  float* dq_accum = nullptr;   // float32 [B,T,N,H], packed
+  // dq_accum: float32 [B, N, dq_accum_rows(), H]. Rows are padded so that every query tile of
+  // the backward kernel owns a whole contiguous block, which the kernel stores in the order its
+  // threads hold the dQ fragments (sm80/dq_accum.h): its atomics then cover contiguous spans.
+  float* dq_accum = nullptr;
   float* softmax_d = nullptr;  // float32 [B,N,T], packed: rowsum(dO∘O) - dLSE
+
+  JFA_HOST_DEVICE int64_t dq_accum_rows() const {
+    return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
+  }
 
   JFA_HOST_DEVICE int64_t group_size() const { return N / K; }
 };

@@ -1,0 +1,61 @@
+// The float32 dQ accumulator of the backward pass: how a query tile is stored and added to.
+//
+// Every key tile's CTA adds a [kBlockM, kHeadDim] partial dQ into the same query tile, so these
+// adds are the backward's heaviest global traffic (kBlockM * kHeadDim floats per step). Stored
+// row-major, a warp's m16n8 fragments touch 8 rows x 32 bytes per instruction. Instead each tile is
+// a contiguous block stored in the order the threads hold the values ("fragment-major"): value i of
+// thread t lives at (i / kVec) * kVec * kNThreads + t * kVec + i % kVec, so each warp instruction
+// covers one contiguous 128 * kVec-byte span. The convert kernel reads it back with the same order.
+//
+// How the adds are done (per architecture of the compiled code, so writer and reader agree):
+//   sm80+: kVec = 1, one coalesced scalar atomic (red.global.add.f32) per value.
+//   sm90+: kVec = 4, 16-byte vector atomics (red.global.add.v4.f32), a quarter of the instructions.
+// Measured on H200 (bf16, H128, T = S = 16k, backward TFLOP/s): row-major float2 atomics 255;
+// fragment-major scalar 260, float2 265, float4 275; float4 staged in smem and added with one bulk
+// reduction (cp.reduce.async.bulk) per tile 284, but with the rotated step order of bwd_kernel.h
+// float4 atomics reach 292 and the bulk variant 296 non-causal / 294 causal (atomics: 301), so
+// the simpler atomics stay.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "jfa/params.h"
+
+namespace jfa::sm80 {
+
+template <int kNThreads>
+struct DqAccumOrder {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr int kVec = 4;
+#else
+  static constexpr int kVec = 1;
+#endif
+  __forceinline__ __device__ static int index(int i, int tidx) {
+    return (i / kVec) * (kVec * kNThreads) + tidx * kVec + i % kVec;
+  }
+};
+
+// First float of the tile holding query rows [m0, m0 + kBlockM) of (batch, head).
+__forceinline__ __device__ float* dq_accum_tile(const AttentionParams& p, int64_t batch, int64_t head, int m0,
+                                                int head_dim) {
+  return p.dq_accum + ((batch * p.N + head) * p.dq_accum_rows() + m0) * head_dim;
+}
+
+// tile += acc (acc: this thread's dQ mma accumulator, any layout; only its value order matters).
+template <int kNThreads, typename Acc>
+__forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int tidx) {
+  using Order = DqAccumOrder<kNThreads>;
+  constexpr int n = decltype(size(acc))::value;
+  static_assert(n % Order::kVec == 0);
+  CUTE_UNROLL
+  for (int i = 0; i < n; i += Order::kVec) {
+    float* addr = tile + Order::index(i, tidx);
+    if constexpr (Order::kVec == 4) {
+      atomicAdd(reinterpret_cast<float4*>(addr), make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3)));
+    } else {
+      atomicAdd(addr, acc(i));
+    }
+  }
+}
+
+}  // namespace jfa::sm80
