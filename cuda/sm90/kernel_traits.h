@@ -13,8 +13,12 @@
 //   hdim 256: 128 x  80, 2 WGs, 2 stages  O alone is 128 f32 per thread, so S shrinks to 40;
 //             kBlockN = 80 (a valid wgmma N and a multiple of 16 for P·V's k) is what fits:
 //             Q 64 + K/V 2 x 2 x 40 = 224 KB, so O reuses Q's smem in the epilogue.
-// Registers: producer 24 (2 WGs) / 32 (3 WGs), consumers 240 / 160: 128·24 + 256·240 = 64512 and
-// 128·32 + 384·160 = 65536, the whole register file.
+// Registers: setmaxnreg moves registers between warpgroups of a CTA; consumers can only gain what
+// the producer gives back from the launch allocation (65536 / threads, rounded down to 8: 168 for
+// 384 threads, 128 for 512). 2 consumers: producer 24, consumers 240 (128·24 + 256·240 = 168·384);
+// 3 consumers: producer 32, consumers 160 (128·32 + 384·160 = 128·512). Asking for more blocks the
+// consumers' setmaxnreg forever (a hang, not an error: seen with producer 32 / consumers 240),
+// hence the static_assert below.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -43,6 +47,9 @@ struct FwdTraits {
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + the producer warpgroup
   static constexpr int kLoadRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kMmaRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
+  static constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
+  static_assert(kLoadRegs * 128 + kMmaRegs * kNumMmaThreads <= kLaunchRegs * kNumThreads,
+                "setmaxnreg budget exceeds the registers the CTA is launched with");
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, K) of S = Q·Kᵀ
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, N, K) of O = P·V
