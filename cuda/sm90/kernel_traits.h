@@ -21,6 +21,12 @@
 // hence the static_assert below.
 #pragma once
 
+// Without it CuTe's GMMA op selectors only pick N in {8, 16, 24, 32, 64, 96, 128, 192, 256}-like
+// divisors and split kBlockN = 80 into five N = 16 instructions (each re-reading Q from smem).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
+#endif
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
