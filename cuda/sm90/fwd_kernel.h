@@ -137,24 +137,31 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
+      auto load_k = [&](int n, PipelineState const& st) {
+        pipeline_k.producer_acquire(st);
+        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(st)), tKgK(_, n), tKsK(_, st.index()));
+      };
+      auto load_v = [&](int n, PipelineState const& st) {
+        pipeline_v.producer_acquire(st);
+        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
+      };
       int n = n_blocks(t.m_block) - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
-      pipeline_k.producer_acquire(write);
-      copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n), tKsK(_, write.index()));
+      load_k(n, write);
       if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
       ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
-      pipeline_v.producer_acquire(write);
-      copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n), tVsV(_, write.index()));
-      ++write;
+      // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
+      // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
 #pragma unroll 1
-      for (--n; n >= 0; --n) {
-        pipeline_k.producer_acquire(write);
-        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n), tKsK(_, write.index()));
-        pipeline_v.producer_acquire(write);
-        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n), tVsV(_, write.index()));
+      for (; n > 0; --n) {
+        PipelineState write_v = write;
         ++write;
+        load_k(n - 1, write);
+        load_v(n, write_v);
       }
+      load_v(0, write);
+      ++write;
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
