@@ -8,8 +8,9 @@
 //             the MUFU) dominates; three consumer warpgroups keep the tensor cores fed while two
 //             others run softmax. 160 regs per consumer thread: S (64 f32) + O (32 f32) + P fit.
 //             smem Q 24 + K/V 2 x 2 x 16 + O 24 = 112 KB.
-//   hdim 128: 128 x 128, 2 WGs, 2 stages  S 64 + O 64 + P 32 f32 per thread in 240 registers;
-//             smem Q 32 + K/V 2 x 2 x 32 + O 32 = 192 KB.
+//   hdim 128: 128 x 176 (non-causal) / 128 x 128 (causal), 2 WGs, 2 stages  FA3's choice: S 88 +
+//             O 64 + P 44 f32 per thread in 240 registers; smem Q 32 + K/V 2 x 2 x 44 = 208 KB,
+//             so O reuses Q's smem (causal: Q 32 + K/V 2 x 2 x 32 + O 32 = 192 KB).
 //   hdim 256: 128 x  80, 2 WGs, 2 stages  O alone is 128 f32 per thread, so S shrinks to 40;
 //             kBlockN = 80 (a valid wgmma N and a multiple of 16 for P·V's k) is what fits:
 //             Q 64 + K/V 2 x 2 x 40 = 224 KB, so O reuses Q's smem in the epilogue.
@@ -91,14 +92,18 @@ struct FwdTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
 };
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kCausal>
 struct FwdConfig;
-template <typename Element>
-struct FwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 192, 128, 2>; };
-template <typename Element>
-struct FwdConfig<Element, 128> { using Traits = FwdTraits<Element, 128, 128, 128, 2>; };
-template <typename Element>
-struct FwdConfig<Element, 256> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 64, kCausal> { using Traits = FwdTraits<Element, 64, 192, 128, 2>; };
+// Non-causal H 128 takes 176 keys per tile (fewer softmax row reductions and barrier rounds per
+// FLOP; O then reuses Q's smem); causal keeps 128 so the diagonal tiles waste less.
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 128, kCausal> {
+  using Traits = FwdTraits<Element, 128, 128, kCausal ? 128 : 176, 2>;
+};
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
 
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
 template <typename Traits>

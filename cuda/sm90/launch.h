@@ -55,8 +55,9 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
-  return p.is_causal ? detail::launch_fwd<Traits, true>(p, stream) : detail::launch_fwd<Traits, false>(p, stream);
+  return p.is_causal
+             ? detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true>(p, stream)
+             : detail::launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false>(p, stream);
 }
 
 }  // namespace jfa::sm90
