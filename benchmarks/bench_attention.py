@@ -11,14 +11,19 @@ block_until_ready make a round, and the reported time is the median per-call tim
 rounds. fwd times the forward alone; bwd times the pullback of jax.vjp (taken once, outside the
 timed region) on a random cotangent; fwdbwd times jit(value_and_grad) of sum(out * w).
 FLOPs: forward 4*B*T*S*N*H, halved when causal; bwd 2.5x, fwdbwd 3.5x the forward.
+Impls jax_flashattn (the default dispatch: the Hopper forward on sm90) and jax_flashattn_sm80 (the
+portable kernels: JFA_FORCE_SM80=1 is set while that impl is compiled and timed; the extension reads
+it at each dispatch, and each impl has its own jitted functions).
 Writes benchmarks/results/<date>-<device>.csv (columns of DESIGN.md) and a PNG next to it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +62,23 @@ def attention_impls(names):
         else:
             raise SystemExit(f"unknown impl {name!r}")
     return impls
+
+
+@contextlib.contextmanager
+def forced_portable(name):
+    """JFA_FORCE_SM80=1 while the jax_flashattn_sm80 rows run; the caller's setting otherwise."""
+    if name != "jax_flashattn_sm80":
+        yield
+        return
+    old = os.environ.get("JFA_FORCE_SM80")
+    os.environ["JFA_FORCE_SM80"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["JFA_FORCE_SM80"]
+        else:
+            os.environ["JFA_FORCE_SM80"] = old
 
 
 def time_per_call_ms(fn, args, calls, rounds) -> float:
@@ -134,8 +156,9 @@ def run(args) -> Path:
                 build = pass_functions(attn, causal)
                 for pass_ in args.passes:
                     try:
-                        fn, fn_args = build(pass_, q, k, v, w)
-                        ms = time_per_call_ms(fn, fn_args, args.calls, args.rounds)
+                        with forced_portable(name):
+                            fn, fn_args = build(pass_, q, k, v, w)
+                            ms = time_per_call_ms(fn, fn_args, args.calls, args.rounds)
                     except Exception as e:  # unsupported shape, OOM: report and go on
                         print(f"{name:<16}{hdim:>5}{seqlen:>7} causal={causal} {pass_}: "
                               f"failed: {str(e).splitlines()[0][:100]}")

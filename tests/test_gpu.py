@@ -1,6 +1,10 @@
 """The CUDA kernels on a GPU: forward, LSE and gradients against the float32 reference, with the
 error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
 
+The forward runs through the default dispatch: on an sm90 GPU the Hopper kernel for head dims
+64/128/256 (the others, and the backward, on the portable kernels). The tests named `portable`
+force the portable forward with JFA_FORCE_SM80=1 (read at each dispatch), so both paths are covered.
+
 Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
 skipping (README, "Developing")."""
 from __future__ import annotations
@@ -71,6 +75,35 @@ def test_forward_matches_reference(shape, is_causal, dtype):
     assert out.dtype == dtype and lse.dtype == jnp.float32
     assert err <= 2 * peer_err + SLACK[dtype], f"seed {seed}: {err} vs jax.nn {peer_err}"
     assert rel_err(lse, ref_lse) <= 1e-4, f"seed {seed}: lse {rel_err(lse, ref_lse)}"
+
+
+# Shapes for the forced portable forward: every sm90 head dim, odd lengths, GQA.
+PORTABLE_SHAPES = [
+    (2, 17, 17, 4, 4, 64, 64),
+    (2, 255, 1000, 8, 2, 128, 128),
+    (1, 17, 33, 2, 2, 256, 256),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", PORTABLE_SHAPES, ids=_ids)
+def test_forward_portable_kernel_forced(shape, is_causal, monkeypatch):
+    """JFA_FORCE_SM80=1 runs the portable forward; it and the default (Hopper on sm90) agree."""
+    seed = fresh_seed()
+    dtype = jnp.bfloat16
+    q, k, v = random_qkv(seed, *shape, dtype=dtype)
+    call = lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal, return_lse=True,  # noqa: E731
+                                               implementation="cuda")
+    default_out, default_lse = jax.jit(call)(q, k, v)
+    monkeypatch.setenv("JFA_FORCE_SM80", "1")
+    out, lse = jax.jit(lambda q, k, v: call(q, k, v))(q, k, v)  # a fresh jit: dispatched again
+    ref_out, ref_lse, _ = reference_with_grads(q, k, v, jnp.zeros(out.shape, dtype),
+                                               jnp.zeros(lse.shape), is_causal=is_causal)
+    peer_err = rel_err(_peer(q, k, v, is_causal), ref_out)
+    for o, l in ((out, lse), (default_out, default_lse)):
+        assert rel_err(o, ref_out) <= 2 * peer_err + SLACK[dtype], f"seed {seed}"
+        assert rel_err(l, ref_lse) <= 1e-4, f"seed {seed}"
+    assert rel_err(default_lse, lse) <= 1e-5, f"seed {seed}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -4,11 +4,17 @@
 // capture in CUDA graphs.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "ffi/decode.h"
 #include "ffi/handlers.h"
 #include "sm80/api.h"
+#ifdef JFA_HAS_SM90
+#include "sm90/api.h"
+#endif
 
 namespace jfa {
 namespace {
@@ -31,6 +37,40 @@ ffi::Error check_cuda_support(const AttentionParams& p) {
   return ffi::Error::Success();
 }
 
+#ifdef JFA_HAS_SM90
+// Compute capability (major * 10 + minor) of the current device, queried once per device: an
+// attribute query, never a synchronization, so the handler stays cheap and CUDA-graph safe.
+int device_capability() {
+  static std::atomic<int> cache[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  int cap = cache[device].load(std::memory_order_relaxed);
+  if (cap == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cap = major * 10 + minor;
+    cache[device].store(cap, std::memory_order_relaxed);
+  }
+  return cap;
+}
+#endif
+
+// The forward kernel for this call: the Hopper kernel on a compute capability 9.0 device when it
+// was built for (dtype, head dim) and takes the call's layout, else the portable one.
+// JFA_FORCE_SM80=1 forces the portable kernel. It is read at every dispatch (a getenv, no
+// allocation), so one process can time both kernels (benchmarks/bench_attention.py sets it around
+// its jax_flashattn_sm80 rows); a jitted function captured into a CUDA graph keeps the kernel it
+// was captured with.
+cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
+#ifdef JFA_HAS_SM90
+  const char* force = std::getenv("JFA_FORCE_SM80");
+  const bool forced = force != nullptr && std::strcmp(force, "1") == 0;
+  if (!forced && device_capability() == 90 && sm90::can_implement(p)) return sm90::forward(p, stream);
+#endif
+  return sm80::forward(p, stream);
+}
+
 ffi::Error launched(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_flashattn: ") + what +
@@ -44,7 +84,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
-  return launched(sm80::forward(p, stream), "forward");
+  return launched(forward_dispatch(p, stream), "forward");
 }
 
 ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -1,0 +1,293 @@
+// Forward kernel for Hopper (sm90a): TMA loads, wgmma, warp specialization, persistent tiles.
+//
+// Roles. Warpgroup 0 is the producer: one thread issues TMA loads of each tile's Q (once) and of
+// K and V through a kStages-deep smem ring guarded by full/empty mbarriers (PipelineTmaAsync);
+// it lowers its registers with setmaxnreg so that the consumers can raise theirs. Warpgroups
+// 1..kNumMmaWarpGroups are consumers, each owning 64 query rows of the tile.
+//
+// Consumer schedule per key block n (walked from the last block down: the boundary/diagonal
+// blocks come first and are the only ones masked):
+//   wait K[n]; [scheduler barrier] issue S = Q·K[n]ᵀ (SS); O *= scale(n+1); issue O += P(n+1)·V[n+1]
+//   (RS, P in registers) [arrive at the next warpgroup's barrier]; wait S; softmax(S) -> P(n), scale(n);
+//   wait P·V.
+// So inside a warpgroup the softmax of block n runs while the tensor cores do P·V of block n+1,
+// and between warpgroups the named "scheduler" barriers make their GEMM issues alternate
+// (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
+// Epilogue: O / rowsum to bf16/fp16 into smem (stmatrix), one TMA store per tile (rows >= T are
+// clipped by TMA), LSE straight from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernel_traits.h"
+#include "softmax.h"
+#include "tile_scheduler.h"
+#include "utils.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+// Global tensors as TMA sees them: (rows, head dim, heads, batch), head dim contiguous.
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+template <typename Traits, typename GTensor>
+auto make_tma_q(GTensor const& t) {
+  return make_tma_copy(SM90_TMA_LOAD{}, t, typename Traits::SmemLayoutQ{},
+                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+}
+template <typename Traits, typename GTensor>
+auto make_tma_kv(GTensor const& t) {
+  return make_tma_copy(SM90_TMA_LOAD{}, t, take<0, 2>(typename Traits::SmemLayoutK{}),
+                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+}
+template <typename Traits, typename GTensor>
+auto make_tma_o(GTensor const& t) {
+  return make_tma_copy(SM90_TMA_STORE{}, t, typename Traits::SmemLayoutO{},
+                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+}
+
+template <typename Traits>
+struct KernelParams {
+  using Element = typename Traits::Element;
+  using GIn = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using GOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_q<Traits>(std::declval<GIn>()));
+  using TmaKV = decltype(make_tma_kv<Traits>(std::declval<GIn>()));
+  using TmaO = decltype(make_tma_o<Traits>(std::declval<GOut>()));
+
+  TmaQ tma_q;
+  TmaKV tma_k, tma_v;
+  TmaO tma_o;
+  GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); O has Q's shape
+  float* lse;
+  int64_t lse_batch, lse_row, lse_head;
+  float scale_log2;
+  int T, S, group;  // group = N / K query heads per K/V head
+  int num_tiles;
+};
+
+// Named barriers (ids after CUTLASS's reserved ones): one for the epilogue of all consumers, and
+// one per consumer warpgroup for the ping-pong schedule.
+enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
+
+template <typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal> const sched) {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNumMmaThreads = Traits::kNumMmaThreads;
+  constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<SharedStorage<Traits>*>(smem_raw);
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  if (threadIdx.x == 0) {
+    ss.q_full.init(1);
+    ss.q_empty.init(Traits::kOAliasesQ ? 1 : kNumMmaThreads);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kKVStageBytes;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = kNumMmaThreads;
+  Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+  Tensor sO = make_tensor(make_smem_ptr(Traits::kOAliasesQ ? ss.q.data() : ss.o.data()),
+                          typename Traits::SmemLayoutO{});
+
+  auto n_blocks = [&](int m_block) {
+    int n = (p.S + kBlockN - 1) / kBlockN;
+    if constexpr (kCausal) n = min(n, (m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
+    return n;
+  };
+
+  if (warp_group == 0) {
+    // ---------------- producer ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
+    if (threadIdx.x != 0) return;
+    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
+    Tensor mK = p.tma_k.get_tma_tensor(p.shape_kv);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_kv);
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+    int iter = 0;
+    for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++iter) {
+      const TileCoord t = sched.get(tile);
+      const int kv_head = t.head / p.group;
+      Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+      auto load_k = [&](int n, PipelineState const& st) {
+        pipeline_k.producer_acquire(st);
+        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(st)), tKgK(_, n), tKsK(_, st.index()));
+      };
+      auto load_v = [&](int n, PipelineState const& st) {
+        pipeline_v.producer_acquire(st);
+        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
+      };
+      int n = n_blocks(t.m_block) - 1;
+      // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
+      load_k(n, write);
+      if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
+      ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
+      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
+      // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
+      // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
+#pragma unroll 1
+      for (; n > 0; --n) {
+        PipelineState write_v = write;
+        ++write;
+        load_k(n - 1, write);
+        load_v(n, write_v);
+      }
+      load_v(0, write);
+      ++write;
+    }
+    // Do not exit while a consumer may still arrive on a barrier of this CTA.
+    pipeline_k.producer_tail(write);
+    pipeline_v.producer_tail(write);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
+  const int tid = threadIdx.x - 128;
+  const int mma_wg = warp_group - 1;
+  auto sched_sync = [&] { cutlass::arch::NamedBarrier::sync(256, kBarSchedFirst + mma_wg); };
+  auto sched_arrive = [&] {
+    const int next = mma_wg + 1 == kNumMmaWarpGroups ? 0 : mma_wg + 1;
+    cutlass::arch::NamedBarrier::arrive(256, kBarSchedFirst + next);
+  };
+  if (mma_wg == 0) cutlass::arch::NamedBarrier::arrive(256, kBarSchedFirst);  // consumer 0 goes first
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  constexpr int kRows = decltype(size<0>(cO_rc))::value;
+
+  auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+  auto thr_copy_o = copy_o.get_thread_slice(tid);
+  Tensor tOsO = thr_copy_o.partition_D(sO);
+
+  PipelineState read;
+  int iter = 0;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++iter) {
+    const TileCoord t = sched.get(tile);
+    const int m0 = t.m_block * kBlockM;
+    int n = n_blocks(t.m_block) - 1;
+
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+    static_assert(decltype(size<0>(tSrS_rc))::value == kRows);
+    OnlineSoftmax<kRows> softmax;
+    float o_scale[kRows];
+
+    ss.q_full.wait(iter & 1);
+
+    // First (last-in-memory) key block: the only one that can cross S; causal diagonal too.
+    pipeline_k.consumer_wait(read);
+    gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pipeline_k.consumer_release(read);
+    apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
+    softmax.template update<true>(tSrS_rc, p.scale_log2, o_scale);
+    convert(tSrS, tOrP);
+    clear(tOrO);
+
+#pragma unroll 1
+    for (--n; n >= 0; --n) {
+      PipelineState read_v = read;  // V of the previous block
+      ++read;
+      pipeline_k.consumer_wait(read);
+      sched_sync();
+      gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      scale_rows(tOrO_rc, o_scale);
+      pipeline_v.consumer_wait(read_v);
+      gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      sched_arrive();
+      warpgroup_wait<1>();  // S is ready; P·V still running
+      pipeline_k.consumer_release(read);
+      if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
+      softmax.template update<false>(tSrS_rc, p.scale_log2, o_scale);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(read_v);
+      convert(tSrS, tOrP);
+    }
+    // Every Q·Kᵀ of this tile is done: the producer may load the next tile's Q (own O buffer).
+    if constexpr (!Traits::kOAliasesQ) ss.q_empty.arrive();
+
+    scale_rows(tOrO_rc, o_scale);
+    pipeline_v.consumer_wait(read);
+    gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+    float lse[kRows];
+    softmax.finalize(p.scale_log2, o_scale, lse);
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(read);
+    ++read;
+    scale_rows(tOrO_rc, o_scale);
+
+    // ---------------- epilogue ----------------
+    if (get<1>(cO_rc(0, 0)) == 0) {
+      float* lse_ptr = p.lse + t.batch * p.lse_batch + t.head * p.lse_head;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m0 + get<0>(cO_rc(r, 0));
+        if (row < p.T) lse_ptr[row * p.lse_row] = lse[r];
+      }
+    }
+    Tensor rO = make_tensor<Element>(tOrO.layout());
+    convert(tOrO, rO);
+    if constexpr (!Traits::kOAliasesQ) {
+      // The previous tile's TMA store must have read sO before it is overwritten.
+      if (tid == 0) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarEpilogue);
+    }
+    copy(copy_o, thr_copy_o.retile_S(rO), tOsO);
+    cutlass::arch::fence_view_async_shared();  // make the smem writes visible to TMA
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarEpilogue);
+    if (tid == 0) {
+      Tensor mO = p.tma_o.get_tma_tensor(p.shape_q);
+      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+      auto [tOgO_tma, tOsO_tma] = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(p.tma_o, tOsO_tma, tOgO_tma);
+      tma_store_arrive();
+      if constexpr (Traits::kOAliasesQ) {
+        tma_store_wait<0>();  // O lives in Q's smem: the next Q may load once the store has read it
+        ss.q_empty.arrive();
+      }
+    }
+  }
+  if (tid == 0) tma_store_wait<0>();
+}
+
+}  // namespace jfa::sm90

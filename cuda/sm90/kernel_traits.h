@@ -1,0 +1,123 @@
+// Tile shapes, thread roles, smem layouts and wgmma atoms of the Hopper (sm90a) forward kernel.
+//
+// A CTA is one producer warpgroup (TMA loads, registers lowered with setmaxnreg) and kBlockM / 64
+// consumer warpgroups (each owns 64 query rows: wgmma's M is 64 per warpgroup). Tile table
+// (kBlockM x kBlockN, consumer warpgroups, K/V stages), FA3's H100 choices checked against the
+// register and smem budgets (228 KB smem per SM, 64K registers per SM, one CTA per SM):
+//   hdim  64: 192 x 128, 3 WGs, 2 stages  Q·Kᵀ is cheap per key (k = 64), so the softmax (exp2 on
+//             the MUFU) dominates; three consumer warpgroups keep the tensor cores fed while two
+//             others run softmax. 160 regs per consumer thread: S (64 f32) + O (32 f32) + P fit.
+//             smem Q 24 + K/V 2 x 2 x 16 + O 24 = 112 KB.
+//   hdim 128: 128 x 176 (non-causal) / 128 x 128 (causal), 2 WGs, 2 stages  FA3's choice: S 88 +
+//             O 64 + P 44 f32 per thread in 240 registers; smem Q 32 + K/V 2 x 2 x 44 = 208 KB,
+//             so O reuses Q's smem (causal: Q 32 + K/V 2 x 2 x 32 + O 32 = 192 KB).
+//   hdim 256: 128 x  80, 2 WGs, 2 stages  O alone is 128 f32 per thread, so S shrinks to 40;
+//             kBlockN = 80 (a valid wgmma N and a multiple of 16 for P·V's k) is what fits:
+//             Q 64 + K/V 2 x 2 x 40 = 224 KB, so O reuses Q's smem in the epilogue.
+// Registers: setmaxnreg moves registers between warpgroups of a CTA; consumers can only gain what
+// the producer gives back from the launch allocation (65536 / threads, rounded down to 8: 168 for
+// 384 threads, 128 for 512). 2 consumers: producer 24, consumers 240 (128·24 + 256·240 = 168·384);
+// 3 consumers: producer 32, consumers 160 (128·32 + 384·160 = 128·512). Asking for more blocks the
+// consumers' setmaxnreg forever (a hang, not an error: seen with producer 32 / consumers 240),
+// hence the static_assert below.
+#pragma once
+
+// Without it CuTe's GMMA op selectors only pick N in {8, 16, 24, 32, 64, 96, 128, 192, 256}-like
+// divisors and split kBlockN = 80 into five N = 16 instructions (each re-reading Q from smem).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
+#endif
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3, "ping-pong needs 2 or 3 consumers");
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;  // + the producer warpgroup
+  static constexpr int kLoadRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kMmaRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
+  static constexpr int kLaunchRegs = 65536 / kNumThreads / 8 * 8;
+  static_assert(kLoadRegs * 128 + kMmaRegs * kNumMmaThreads <= kLaunchRegs * kNumThreads,
+                "setmaxnreg budget exceeds the registers the CTA is launched with");
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, K) of S = Q·Kᵀ
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, N, K) of O = P·V
+  using AtomLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;     // warpgroups split M
+  // Q·Kᵀ: both operands from smem, K-major. P·V: P from registers, V read as MN-major (its head
+  // dim is contiguous), which wgmma supports for 16-bit types through the transpose bit.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapePV, GMMA::Major::K,
+                           GMMA::Major::MN>(), AtomLayout{}));
+
+  // 128-byte swizzled K-major atom (8 rows x 64 elements): what TMA writes and wgmma reads
+  // without bank conflicts. Q, K, V and O all use it.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // V viewed as (H, kBlockN, stages): the B operand of P·V (N = H, K = keys).
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  // O has Q's layout, so when it reuses Q's smem each warpgroup writes only its own rows.
+  using SmemLayoutO = SmemLayoutQ;
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  // O gets its own buffer where smem allows (the next tile's Q can then load during the epilogue).
+  static constexpr bool kOAliasesQ = 2 * kQBytes + 2 * kStages * kKVStageBytes > 220 * 1024;
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+};
+
+template <typename Element, int kHeadDim, bool kCausal>
+struct FwdConfig;
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 64, kCausal> { using Traits = FwdTraits<Element, 64, 192, 128, 2>; };
+// Non-causal H 128 takes 176 keys per tile (fewer softmax row reductions and barrier rounds per
+// FLOP; O then reuses Q's smem); causal keeps 128 so the diagonal tiles waste less.
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 128, kCausal> {
+  using Traits = FwdTraits<Element, 128, 128, kCausal ? 128 : 176, 2>;
+};
+template <typename Element, bool kCausal>
+struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
+
+// Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
+template <typename Traits>
+struct SharedStorage {
+  using Element = typename Traits::Element;
+  static constexpr int kOElems = Traits::kOAliasesQ ? 0 : int(cosize_v<typename Traits::SmemLayoutO>);
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>> q;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>> k;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutV>> v;
+  alignas(1024) cute::array_aligned<Element, kOElems == 0 ? 1 : kOElems> o;
+  typename Traits::Pipeline::SharedStorage pipeline_k;
+  typename Traits::Pipeline::SharedStorage pipeline_v;
+  cutlass::arch::ClusterTransactionBarrier q_full;  // Q of the current tile has landed
+  cutlass::arch::ClusterBarrier q_empty;            // consumers are done with Q (and O if aliased)
+};
+
+}  // namespace jfa::sm90

@@ -1,0 +1,63 @@
+// Host side of the sm90 forward: TMA descriptors built from the call's strides (per call, on the
+// host: cuTensorMapEncodeTiled through CuTe's make_tma_copy), passed as __grid_constant__ kernel
+// parameters, and a persistent launch of one CTA per SM. Each instantiation file
+// (cuda/generate_instantiations.py) instantiates run_fwd for one (dtype, head dim).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "fwd_kernel.h"
+#include "jfa/params.h"
+#include "kernel_traits.h"
+#include "run.h"
+
+namespace jfa::sm90 {
+
+namespace detail {
+
+// (rows, H, heads, batch) view of a [batch, rows, heads, H] tensor. A dimension of size 1 never
+// moves its index, so its stride is replaced by one TMA accepts (a multiple of 16 bytes).
+inline GmemStride gmem_stride(const Strides& s, int64_t heads, int64_t batch) {
+  return GmemStride{s.row, _1{}, heads == 1 ? s.row : s.head, batch == 1 ? s.row : s.batch};
+}
+
+template <typename Traits, bool kCausal>
+cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  const GmemShape shape_q{int(p.T), int(p.H), int(p.N), int(p.B)};
+  const GmemShape shape_kv{int(p.S), int(p.H), int(p.K), int(p.B)};
+  auto q = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.q)), shape_q, gmem_stride(p.q_strides, p.N, p.B));
+  auto k = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.k)), shape_kv, gmem_stride(p.k_strides, p.K, p.B));
+  auto v = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.v)), shape_kv, gmem_stride(p.v_strides, p.K, p.B));
+  auto o = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_q, gmem_stride(p.o_strides, p.N, p.B));
+
+  const int num_m_blocks = int((p.T + Traits::kBlockM - 1) / Traits::kBlockM);
+  KernelParams<Traits> kp{make_tma_q<Traits>(q), make_tma_kv<Traits>(k), make_tma_kv<Traits>(v), make_tma_o<Traits>(o),
+                          shape_q, shape_kv, p.lse, p.lse_strides.batch, p.lse_strides.row,
+                          p.lse_strides.head, p.scale_log2, int(p.T), int(p.S), int(p.N / p.K),
+                          int(num_m_blocks * p.N * p.B)};
+  const TileScheduler<kCausal> sched{num_m_blocks, int(p.N), int(p.N * p.B)};
+
+  auto kernel = &fwd_kernel<Traits, kCausal>;
+  constexpr int smem = int(sizeof(SharedStorage<Traits>));
+  static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      err != cudaSuccess)
+    return err;
+  const int grid = std::min(kp.num_tiles, num_sms());
+  kernel<<<dim3(unsigned(grid)), Traits::kNumThreads, smem, stream>>>(kp, sched);
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+  return p.is_causal
+             ? detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true>(p, stream)
+             : detail::launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false>(p, stream);
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,18 @@
+// Declarations of the per-variant launchers (defined in cuda/instantiations/sm90_fwd_*.cu). Light
+// on purpose: api.cu includes this, not the kernel, so the dispatch compiles in seconds.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <cutlass/numeric_types.h>
+
+#include "jfa/params.h"
+
+namespace jfa::sm90 {
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
+
+// Streaming multiprocessors of the current device (queried once per device).
+int num_sms();
+
+}  // namespace jfa::sm90

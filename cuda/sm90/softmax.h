@@ -1,0 +1,80 @@
+// Online softmax of one consumer thread's rows, in the log2 domain (exp2 with the scale folded
+// into one FFMA per score), and the masks. A thread owns kRows rows of S and O; the 4 threads of
+// a quad share each row, so row reductions are two shuffles.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "utils.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];  // this thread's partial sums; the quad reduces them once, in finalize
+
+  // Turns the scores (a (rows, cols) view) into unnormalised probabilities relative to the new
+  // running max and writes, per row, the factor the output accumulated so far must be scaled by.
+  // A row whose max is still -inf (every key so far masked) uses 0 as its max, so exp2 gives 0
+  // instead of NaN.
+  template <bool kFirst, typename Scores>
+  __forceinline__ __device__ void update(Scores& s, float scale_log2, float (&o_scale)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = kFirst ? -INFINITY : row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      m = quad_max(m);
+      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      o_scale[r] = kFirst ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
+        sum += s(r, c);
+      }
+      row_sum[r] = kFirst ? sum : fmaf(row_sum[r], o_scale[r], sum);
+    }
+  }
+
+  // Final per-row output scale 1/sum and the natural-log LSE (−inf for a row that saw no key).
+  __forceinline__ __device__ void finalize(float scale_log2, float (&o_scale)[kRows], float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = sum == 0.f || sum != sum;
+      o_scale[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -INFINITY : (row_max[r] * scale_log2 + __log2f(sum)) * float(M_LN2);
+    }
+  }
+};
+
+template <int kRows, typename Acc>
+__forceinline__ __device__ void scale_rows(Acc& acc_rc, const float (&scale)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(acc_rc); ++c) acc_rc(r, c) *= scale[r];
+  }
+}
+
+// Masks (applied only to the tiles that need them): key positions >= S, and for causal
+// (top-left alignment) keys after the query. `coords` is the identity tensor partitioned like the
+// scores; (m0, n0) is the tile origin.
+template <bool kCausal, bool kSeqlenMask, typename Scores, typename Coords>
+__forceinline__ __device__ void apply_mask(Scores& s, Coords const& coords, int m0, int n0, int S) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(s); ++i) {
+    const int row = m0 + get<0>(coords(i));
+    const int col = n0 + get<1>(coords(i));
+    if ((kSeqlenMask && col >= S) || (kCausal && col > row)) s(i) = -INFINITY;
+  }
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,72 @@
+// Small device helpers of the sm90 kernel: wgmma issue, accumulator layout views, conversions.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+// Issues one warpgroup GEMM C (+)= A·B over all k blocks as a single wgmma batch. kWait >= 0
+// waits until at most kWait batches are in flight; -1 returns with the batch in flight, so the
+// caller can overlap it (softmax under Q·Kᵀ, the other warpgroup's work under P·V).
+template <bool kZeroInit, int kWait, typename TiledMma, typename TA, typename TB, typename TC>
+__forceinline__ __device__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  constexpr bool kIsRS = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+}
+
+// wgmma accumulator ((2, 2, N/8), M, N) -> (rows, cols) = ((2, M), (2, N/8, N)): a thread holds
+// 2 rows per 64-row atom, each with N/4 columns spread over the 4 threads of a quad.
+template <typename Layout>
+__forceinline__ __device__ auto acc_rowcol(Layout l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The Q·Kᵀ accumulator of a warpgroup has exactly the register layout wgmma wants for a 16-bit
+// A operand: ((2, 2, N/8), M, 1) -> ((2, 2, 2), M, N/16) k-blocks of 16 keys. So P never leaves
+// registers.
+template <typename Layout>
+__forceinline__ __device__ auto acc_as_a_operand(Layout l) {
+  auto k = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(k)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(k), get<2>(l))));
+}
+
+// dst = convert(src), element-wise, with the vectorised cvt (two floats per instruction).
+template <typename TSrc, typename TDst>
+__forceinline__ __device__ void convert(TSrc const& src, TDst& dst) {
+  using From = typename TSrc::value_type;
+  using To = typename TDst::value_type;
+  constexpr int kN = decltype(size(src))::value;
+  static_assert(kN == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, kN> op;
+  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(dst.data())) =
+      op(*reinterpret_cast<const cutlass::Array<From, kN>*>(raw_pointer_cast(src.data())));
+}
+
+__forceinline__ __device__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__forceinline__ __device__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace jfa::sm90

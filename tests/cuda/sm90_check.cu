@@ -1,0 +1,312 @@
+// The sm90 (Hopper) forward kernel checked from C++, without JAX: random inputs (a fresh seed each
+// run), NaN-poisoned outputs and guard rows, a double-precision CPU reference for o and lse, and a
+// 16k timing against the portable sm80 forward. Built and run by .ci/gpu-run (sanitize step),
+// under compute-sanitizer (memcheck, racecheck, synccheck) with --small.
+// ./harness           correctness sweep + 16k timing
+// ./harness --small   small correctness sweep only (for compute-sanitizer)
+// ./harness --bench   timing only
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "jfa/params.h"
+#ifndef JFA_CHECK_NO_SM80
+#include "sm80/api.h"
+#endif
+#include "sm90/api.h"
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+      exit(2);                                                                                  \
+    }                                                                                           \
+  } while (0)
+
+using jfa::AttentionParams;
+using jfa::DType;
+
+static float to_float(uint16_t h, DType dt) {
+  if (dt == DType::kBFloat16) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw r;
+  r.x = h;
+  return __half2float(__half(r));
+}
+static uint16_t from_float(float f, DType dt) {
+  uint16_t u;
+  if (dt == DType::kBFloat16) {
+    __nv_bfloat16 b = __float2bfloat16(f);
+    memcpy(&u, &b, 2);
+  } else {
+    __half h = __float2half(f);
+    memcpy(&u, &h, 2);
+  }
+  return u;
+}
+
+struct Config {
+  int B, T, S, N, K, H;
+  bool causal;
+  DType dt;
+  int pad;  // extra elements per row (non-packed strides, a multiple of 8 so TMA takes them)
+};
+
+// Host copy of a [B, rows, heads, H] tensor with row stride heads*H + pad, plus `guard` rows
+// after the end that must never be written.
+struct Tensor4 {
+  int B, rows, heads, H, pad;
+  std::vector<uint16_t> data;
+  jfa::Strides strides() const {
+    int64_t row = int64_t(heads) * H + pad;
+    return jfa::Strides{row * rows, row, H};
+  }
+  size_t size() const { return size_t(B) * rows * (size_t(heads) * H + pad); }
+  size_t idx(int b, int r, int h, int d) const {
+    auto s = strides();
+    return b * s.batch + r * s.row + h * s.head + d;
+  }
+};
+constexpr size_t kGuard = 4096;  // elements of NaN after each output: rows >= T must stay NaN
+
+static int g_failures = 0;
+
+static void run_case(const Config& c, std::mt19937& rng) {
+  const char* dtn = c.dt == DType::kBFloat16 ? "bf16" : "fp16";
+  if (!jfa::sm90::is_built(c.dt, c.H)) {
+    printf("SKIP (not built) %s H=%d\n", dtn, c.H);
+    return;
+  }
+  Tensor4 q{c.B, c.T, c.N, c.H, c.pad}, k{c.B, c.S, c.K, c.H, c.pad}, v{c.B, c.S, c.K, c.H, c.pad},
+      o{c.B, c.T, c.N, c.H, c.pad};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (Tensor4* t : {&q, &k, &v}) {
+    t->data.resize(t->size());
+    for (auto& x : t->data) x = from_float(nd(rng), c.dt);
+  }
+  auto upload = [](const std::vector<uint16_t>& h) {
+    void* d;
+    CK(cudaMalloc(&d, h.size() * 2));
+    CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    return d;
+  };
+  const float scale = 1.f / std::sqrt(float(c.H));
+  AttentionParams p;
+  p.B = c.B; p.T = c.T; p.S = c.S; p.N = c.N; p.K = c.K; p.H = c.H; p.Hv = c.H;
+  p.dtype = c.dt;
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.is_causal = c.causal;
+  p.q = upload(q.data); p.k = upload(k.data); p.v = upload(v.data);
+  p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
+  const size_t o_elems = o.size(), rows = size_t(c.B) * c.T * c.N;
+  void* d_o;
+  float* d_lse;
+  CK(cudaMalloc(&d_o, (o_elems + kGuard) * 2));
+  CK(cudaMemset(d_o, 0xFF, (o_elems + kGuard) * 2));  // 0xFFFF is NaN in fp16 and bf16
+  CK(cudaMalloc(&d_lse, (rows + kGuard) * 4));
+  CK(cudaMemset(d_lse, 0xFF, (rows + kGuard) * 4));
+  p.o = d_o; p.o_strides = o.strides();
+  p.lse = d_lse; p.lse_strides = jfa::Strides{int64_t(c.T) * c.N, c.N, 1};
+  if (!jfa::sm90::can_implement(p)) {
+    printf("FAIL can_implement rejected %s T=%d S=%d\n", dtn, c.T, c.S);
+    ++g_failures;
+    return;
+  }
+  CK(jfa::sm90::forward(p, nullptr));
+  CK(cudaDeviceSynchronize());
+  std::vector<uint16_t> h_o(o_elems + kGuard);
+  std::vector<float> h_lse(rows + kGuard);
+  CK(cudaMemcpy(h_o.data(), d_o, h_o.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(h_lse.data(), d_lse, h_lse.size() * 4, cudaMemcpyDeviceToHost));
+
+  // Reference over (b, n) in threads, on inputs converted once.
+  const int G = c.N / c.K;
+  auto widen = [&](const Tensor4& t) {
+    std::vector<float> f(t.data.size());
+    for (size_t i = 0; i < f.size(); ++i) f[i] = to_float(t.data[i], c.dt);
+    return f;
+  };
+  const std::vector<float> qf = widen(q), kf = widen(k), vf = widen(v);
+  std::vector<double> ref_o(rows * c.H), ref_lse(rows);
+  auto work = [&](int bn) {
+    const int b = bn / c.N, n = bn % c.N, kh = n / G;
+    std::vector<double> s(c.S);
+    for (int t = 0; t < c.T; ++t) {
+      const int smax = c.causal ? std::min(c.S, t + 1) : c.S;
+      double m = -INFINITY;
+      for (int j = 0; j < smax; ++j) {
+        double acc = 0;
+        for (int d = 0; d < c.H; ++d)
+          acc += double(qf[q.idx(b, t, n, d)]) * kf[k.idx(b, j, kh, d)];
+        s[j] = acc * scale;
+        m = std::max(m, s[j]);
+      }
+      double l = 0;
+      for (int j = 0; j < smax; ++j) l += (s[j] = std::exp(s[j] - m));
+      const size_t row = (size_t(b) * c.T + t) * c.N + n;
+      ref_lse[row] = m + std::log(l);
+      for (int d = 0; d < c.H; ++d) {
+        double acc = 0;
+        for (int j = 0; j < smax; ++j) acc += s[j] * vf[v.idx(b, j, kh, d)];
+        ref_o[row * c.H + d] = acc / l;
+      }
+    }
+  };
+  const int jobs = c.B * c.N;
+  const int nthreads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int w = 0; w < nthreads; ++w)
+    pool.emplace_back([&, w] {
+      for (int j = w; j < jobs; j += nthreads) work(j);
+    });
+  for (auto& th : pool) th.join();
+
+  double num = 0, den = 0, lnum = 0, lden = 0;
+  bool finite = true;
+  for (int b = 0; b < c.B; ++b)
+    for (int t = 0; t < c.T; ++t)
+      for (int n = 0; n < c.N; ++n) {
+        const size_t row = (size_t(b) * c.T + t) * c.N + n;
+        for (int d = 0; d < c.H; ++d) {
+          const double x = to_float(h_o[o.idx(b, t, n, d)], c.dt), r = ref_o[row * c.H + d];
+          finite = finite && std::isfinite(x);
+          num += (x - r) * (x - r);
+          den += r * r;
+        }
+        const double l = h_lse[row];
+        finite = finite && std::isfinite(l);
+        lnum += (l - ref_lse[row]) * (l - ref_lse[row]);
+        lden += ref_lse[row] * ref_lse[row];
+      }
+  // Padding elements and the guard after the end were never written.
+  bool untouched = true;
+  for (int b = 0; b < c.B; ++b)
+    for (int t = 0; t < c.T && c.pad; ++t)
+      for (int e = 0; e < c.pad; ++e) untouched = untouched && h_o[o.idx(b, t, c.N - 1, c.H - 1) + 1 + e] == 0xFFFF;
+  for (size_t i = o_elems; i < o_elems + kGuard; ++i) untouched = untouched && h_o[i] == 0xFFFF;
+  for (size_t i = rows; i < rows + kGuard; ++i) untouched = untouched && std::isnan(h_lse[i]);
+  const double err = std::sqrt(num / std::max(den, 1e-30)), lerr = std::sqrt(lnum / std::max(lden, 1e-30));
+  const double tol = c.dt == DType::kBFloat16 ? 2e-2 : 3e-3;
+  const bool ok = finite && untouched && err <= tol && lerr <= 1e-4;
+  if (!ok) ++g_failures;
+  printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d pad=%d | rel o %.2e lse %.2e%s%s\n", ok ? "PASS" : "FAIL", dtn,
+         c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.pad, err, lerr, finite ? "" : " NONFINITE",
+         untouched ? "" : " WROTE-OUTSIDE");
+  fflush(stdout);
+  for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, d_o, (void*)d_lse}) CK(cudaFree(ptr));
+}
+
+static void bench(DType dt, int H, int B, int T, int N, bool causal) {
+  if (!jfa::sm90::is_built(dt, H)) return;
+  AttentionParams p;
+  p.B = B; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
+  p.scale = 1.f / std::sqrt(float(H));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.is_causal = causal;
+  const size_t n = size_t(B) * T * N * H, rows = size_t(B) * T * N;
+  std::vector<uint16_t> h(n);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& x : h) x = from_float(nd(rng), dt);
+  void* bufs[4];
+  for (auto& b : bufs) {
+    CK(cudaMalloc(&b, n * 2));
+    CK(cudaMemcpy(b, h.data(), n * 2, cudaMemcpyHostToDevice));
+  }
+  float* lse;
+  CK(cudaMalloc(&lse, rows * 4));
+  auto st = jfa::packed_strides(T, N, H);
+  p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3];
+  p.q_strides = p.k_strides = p.v_strides = p.o_strides = st;
+  p.lse = lse; p.lse_strides = jfa::Strides{int64_t(T) * N, N, 1};
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  auto time = [&](bool sm90) {
+#ifdef JFA_CHECK_NO_SM80
+    auto fwd = [&] { return jfa::sm90::forward(p, s); };
+#else
+    auto fwd = [&] { return sm90 ? jfa::sm90::forward(p, s) : jfa::sm80::forward(p, s); };
+#endif
+    for (int i = 0; i < 3; ++i) CK(fwd());
+    std::vector<float> ms;
+    for (int r = 0; r < 10; ++r) {
+      CK(cudaEventRecord(e0, s));
+      for (int i = 0; i < 5; ++i) CK(fwd());
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float t;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t / 5);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  };
+  const double flops = 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0);
+  const float t90 = time(true);
+#ifdef JFA_CHECK_NO_SM80
+  const float t80 = 0.f;
+#else
+  const float t80 = jfa::sm80::is_built(dt, H) ? time(false) : 0.f;
+#endif
+  printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d | sm90 fwd %.3f ms %.1f TFLOP/s | sm80 fwd %.3f ms %.1f TFLOP/s\n",
+         dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, t90, flops / t90 * 1e-9, t80,
+         t80 > 0 ? flops / t80 * 1e-9 : 0.0);
+  fflush(stdout);
+  for (auto& b : bufs) CK(cudaFree(b));
+  CK(cudaFree(lse));
+  CK(cudaStreamDestroy(s));
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool small = mode == "--small", bench_only = mode == "--bench";
+  const unsigned seed = std::random_device{}();
+  printf("seed: %u\n", seed);
+  std::mt19937 rng(seed);
+  std::vector<Config> cases;
+  const DType BF = DType::kBFloat16, FP = DType::kFloat16;
+  if (small) {
+    for (int H : {64, 128, 256})
+      for (bool causal : {false, true}) {
+        cases.push_back({1, 17, 33, 2, 1, H, causal, BF, 0});
+        cases.push_back({2, 200, 150, 2, 2, H, causal, FP, 8});
+      }
+  } else if (!bench_only) {
+    const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}, {384, 384}};
+    for (DType dt : {BF, FP})
+      for (int H : {64, 128, 256})
+        for (bool causal : {false, true})
+          for (auto& ts : TS) cases.push_back({2, ts[0], ts[1], 2, 2, H, causal, dt, 0});
+    for (int H : {64, 128, 256})
+      for (bool causal : {false, true}) {
+        cases.push_back({2, 255, 1000, 8, 2, H, causal, BF, 0});   // GQA
+        cases.push_back({1, 1000, 255, 8, 1, H, causal, FP, 0});   // MQA
+        cases.push_back({2, 255, 300, 4, 2, H, causal, BF, 8});    // non-packed strides
+        cases.push_back({3, 1100, 1100, 16, 4, H, causal, BF, 0}); // many tiles per CTA (persistent)
+      }
+  }
+  for (auto& c : cases) run_case(c, rng);
+  if (!small) {
+    for (int H : {64, 128, 256})
+      for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
+  }
+  printf("%d failures\n", g_failures);
+  return g_failures ? 1 : 0;
+}
