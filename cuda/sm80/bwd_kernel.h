@@ -118,8 +118,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
 
   const int num_n_blocks = (int(p.S) + kBlockN - 1) / kBlockN;
   const int64_t bid = blockIdx.x;
-  const int n_block = int(bid % num_n_blocks);
-  const int64_t bk = bid / num_n_blocks;
+  // Causal: the first key tiles have the most query tiles to visit. They go first for every head
+  // (blocks are issued in index order), so that the longest CTAs do not start in the last wave.
+  const int n_block = kCausal ? int(bid / (p.B * p.K)) : int(bid % num_n_blocks);
+  const int64_t bk = kCausal ? bid % (p.B * p.K) : bid / num_n_blocks;
   const int kv_head = int(bk % p.K);
   const int64_t batch = bk / p.K;
   const int tidx = threadIdx.x;
