@@ -113,7 +113,7 @@ void query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b
   std::fill(w.dq.begin(), w.dq.end(), 0.f);
 
   const SequenceBounds bounds = sequence_bounds(p, b);
-  const KeyRange range = visible_keys(p, bounds, i0, rows);
+  const KeyRange range = key_range(p, bounds, i0, rows);
   const bool softcap = p.mask.softcap > 0.f;
   for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));

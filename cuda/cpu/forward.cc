@@ -48,7 +48,7 @@ void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, Fo
   // Only the key blocks that the policies let some row of this block see (causal triangle,
   // window band, lengths); skipped tiles inside that range are ones without a shared segment.
   const SequenceBounds bounds = sequence_bounds(p, b);
-  const KeyRange range = visible_keys(p, bounds, i0, rows);
+  const KeyRange range = key_range(p, bounds, i0, rows);
   for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
     const TileCoords tile{b, n, i0, rows, j0, keys};

@@ -8,10 +8,6 @@
 
 namespace jfa::cpu {
 
-KeyRange visible_keys(const AttentionParams& p, const SequenceBounds& s, int64_t i0, int rows) {
-  return key_range(p, s, i0, rows);
-}
-
 TileKind tile_kind(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
   TileKind kind = position_tile_kind(p, s, t.i0, t.rows, t.j0, t.cols);
   if (kind == TileKind::kSkip) return kind;

@@ -1,8 +1,8 @@
 // Masks, score modifiers and dropout as the CPU kernels apply them to float32 score tiles, on top
 // of the shared policies in jfa/mask.h, jfa/score_mod.h and jfa/philox.h.
 //
-// A kernel asks, per tile, which keys a query block may see (visible_keys: the trip count of the
-// key loop) and what kind the tile is (tile_kind: skip / full / partial); prepare_scores then
+// A kernel asks which keys a query block may see (key_range in jfa/mask.h: the trip count of the
+// key loop) and, per tile, what kind the tile is (tile_kind: skip / full / partial); prepare_scores then
 // turns raw logits (log2 units) into final ones: score modifiers everywhere, -inf where hidden,
 // and per-element predicates only on partial tiles.
 #pragma once
@@ -21,9 +21,6 @@ struct TileCoords {
   int64_t j0;
   int cols;
 };
-
-// Keys [begin, end) that rows [i0, i0 + rows) of batch b may see (empty: nothing to compute).
-KeyRange visible_keys(const AttentionParams& p, const SequenceBounds& s, int64_t i0, int rows);
 
 // The tile's kind from positions, segment ids and the boolean mask.
 TileKind tile_kind(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t);

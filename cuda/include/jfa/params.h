@@ -89,17 +89,12 @@ struct MaskParams {
   float dropout_rate = 0.f;
   const uint32_t* dropout_seeds = nullptr;
 
-  JFA_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
   JFA_HOST_DEVICE bool has_score_mod() const {
     return softcap > 0.f || bias != nullptr || alibi_slopes != nullptr;
   }
   JFA_HOST_DEVICE bool has_dropout() const { return dropout_rate > 0.f; }
   // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
   JFA_HOST_DEVICE bool has_element_mask() const { return mask != nullptr; }
-  JFA_HOST_DEVICE bool any() const {
-    return bottom_right || has_window() || q_lengths || kv_lengths || q_segment_ids || mask ||
-           has_score_mod() || has_dropout();
-  }
 };
 
 struct AttentionParams {
