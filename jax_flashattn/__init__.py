@@ -3,6 +3,7 @@
     out = jax_flashattn.flash_attention(q, k, v, is_causal=True)          # native API
     out, lse = jax_flashattn.flash_attention(q, k, v, return_lse=True)    # differentiable LSE
     out = jax_flashattn.dot_product_attention(q, k, v, is_causal=True)    # jax.nn drop-in
+    out = jax_flashattn.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=..., max_seqlen_k=...)
 """
 import pkgutil
 
@@ -15,7 +16,9 @@ from . import batching as _batching  # noqa: F401  (registers the vmap rules)
 from ._ext import build_info
 from .attention import flash_attention
 from .dropin import dot_product_attention
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "dot_product_attention", "build_info", "__version__"]
+__all__ = ["flash_attention", "dot_product_attention", "varlen_attention", "build_info",
+           "__version__"]

@@ -1,8 +1,11 @@
-"""The differentiable attention core: a custom_vjp whose residuals are (q, k, v, o, lse).
+"""The differentiable attention core: a custom_vjp whose residuals are (q, k, v, o, lse) and the
+extra operands.
 
-The backward pass recomputes the softmax from the saved LSE inside the kernel, so no T×S tensor
-exists in either direction. The LSE output is differentiable: its cotangent enters the backward
-kernel as D = rowsum(dO∘O) − dLSE.
+The backward pass recomputes the softmax from the saved LSE inside the kernel (and regenerates
+the dropout mask from its seeds), so no T×S tensor exists in either direction. The LSE output is
+differentiable: its cotangent enters the backward kernel as D = rowsum(dO∘O) − dLSE. Of the extra
+operands only the bias is differentiable (d(bias) = dS, reduced over its broadcast axes); masks,
+lengths, segment ids, ALiBi slopes and seeds get no gradient.
 """
 from __future__ import annotations
 
@@ -11,36 +14,47 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
+_PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for an absent operand
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def attention_core(q, k, v, scale, is_causal, implementation):
-    """(o, lse) for q BTNH, k BSKH, v BSKHv; lse float32 BTN, natural log."""
-    return tuple(attention_fwd_p.bind(q, k, v, scale=scale, is_causal=is_causal,
+
+def _operands(bias, rest):
+    """The eight extra operands in order, with rank-0 placeholders where absent."""
+    extras = (bias,) + tuple(rest)
+    return [jnp.zeros((), _PLACEHOLDER) if x is None else x for x in extras]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def attention_core(q, k, v, bias, rest, scale, config, implementation):
+    """(o, lse) for q BTNH, k BSKH, v BSKHv; lse float32 BTN, natural log. bias: float32 rank 4
+    or None; rest: the other Extras fields (arrays or None)."""
+    return tuple(attention_fwd_p.bind(q, k, v, *_operands(bias, rest), scale=scale, config=config,
                                       implementation=implementation))
 
 
-def _fwd(q, k, v, scale, is_causal, implementation):
-    o, lse = attention_fwd_p.bind(q, k, v, scale=scale, is_causal=is_causal,
+def _fwd(q, k, v, bias, rest, scale, config, implementation):
+    o, lse = attention_fwd_p.bind(q, k, v, *_operands(bias, rest), scale=scale, config=config,
                                   implementation=implementation)
-    return (o, lse), (q, k, v, o, lse)
+    return (o, lse), (q, k, v, o, lse, bias, rest)
 
 
-def _bwd(scale, is_causal, implementation, residuals, cotangents):
-    q, k, v, o, lse = residuals
+def _bwd(scale, config, implementation, residuals, cotangents):
+    q, k, v, o, lse, bias, rest = residuals
     do, dlse = cotangents
     do = jnp.asarray(do, dtype=o.dtype)
     dlse = jnp.asarray(dlse, dtype=jnp.float32)
-    dq, dk, dv = attention_bwd_p.bind(q, k, v, o, lse, do, dlse, scale=scale,
-                                      is_causal=is_causal, implementation=implementation)
-    return dq, dk, dv
+    dq, dk, dv, dbias = attention_bwd_p.bind(q, k, v, o, lse, do, dlse, *_operands(bias, rest),
+                                             scale=scale, config=config,
+                                             implementation=implementation)
+    return dq, dk, dv, (None if bias is None else dbias), None
 
 
 attention_core.defvjp(_fwd, _bwd)
 
 
-def attention(q, k, v, scale, is_causal, implementation):
+def attention(q, k, v, scale, config, extras: Extras, implementation):
     """attention_core, with empty problems answered here so kernels only see non-empty ones.
 
     With no keys (S == 0) every row sees nothing: out = 0, lse = -inf, zero gradients.
@@ -50,5 +64,5 @@ def attention(q, k, v, scale, is_causal, implementation):
     if B * T * N == 0 or S == 0:
         out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
         lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
-        return out, lse  # gradients of q, k, v are zeros: nothing here depends on them
-    return attention_core(q, k, v, scale, is_causal, implementation)
+        return out, lse  # gradients of q, k, v (and bias) are zeros: nothing here depends on them
+    return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)

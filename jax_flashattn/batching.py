@@ -1,40 +1,65 @@
 """vmap rules for the attention primitives: every vmapped axis is folded into the batch axis B.
 
 Operands with no mapped axis (in_axes=None) are broadcast along the new axis first, so any mix
-of mapped and unmapped operands works; nested vmap folds one axis per level.
+of mapped and unmapped operands works; nested vmap folds one axis per level. The extra operands
+(_options.Extras) fold the same way, with two exceptions: rank-0 placeholders (absent operands)
+stay as they are, and a bias, mask or slope table shared by the batch (leading axis 1) stays
+shared when it is not mapped — except the bias of the backward pass, which is expanded so that
+d(bias) comes back per vmapped instance.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from ._compat import batching, not_mapped
+from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
-
-def _fold_into_batch(args, dims):
-    """Moves each mapped axis to the front (broadcasting unmapped operands) and merges it with B."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
-    folded = []
-    for a, d in zip(args, dims):
-        if d is not_mapped:
-            a = jnp.broadcast_to(a, (size,) + a.shape)
-        else:
-            a = jnp.moveaxis(a, d, 0)
-        folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
-    return size, folded
+# Extras whose leading axis may be 1 (shared by the batch) rather than B.
+_SHAREABLE = {Extras._fields.index(name) for name in ("bias", "mask", "alibi_slopes")}
 
 
-def _unfold(size, outs):
-    return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+def _fold(a, d, size, batch, shareable, keep_shared):
+    if a.ndim == 0:
+        return a
+    if shareable and d is not_mapped and a.shape[0] == 1 and keep_shared:
+        return a
+    a = jnp.broadcast_to(a, (size,) + a.shape) if d is not_mapped else jnp.moveaxis(a, d, 0)
+    if shareable and a.shape[1] == 1:
+        a = jnp.broadcast_to(a, (size, batch) + a.shape[2:])
+    return a.reshape((size * a.shape[1],) + a.shape[2:])
 
 
-def _batch_rule(prim):
+def _unfold(size, o):
+    return o.reshape((size, o.shape[0] // size) + o.shape[1:])
+
+
+def _batch_rule(prim, num_tensors):
     def rule(args, dims, **params):
-        size, folded = _fold_into_batch(args, dims)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+        q, qd = args[0], dims[0]
+        batch = q.shape[0] if qd is not_mapped else q.shape[1 if qd == 0 else 0]
+        folded = []
+        for index, (a, d) in enumerate(zip(args, dims)):
+            extra = index - num_tensors
+            keep_shared = not (prim is attention_bwd_p and extra == 0)
+            folded.append(_fold(a, d, size, batch, extra in _SHAREABLE, keep_shared))
         outs = prim.bind(*folded, **params)
-        return _unfold(size, outs), [0] * len(outs)
+        if prim is attention_fwd_p:
+            return [_unfold(size, o) for o in outs], [0] * len(outs)
+        dq, dk, dv, dbias = outs
+        out = [_unfold(size, o) for o in (dq, dk, dv)]
+        bias = args[num_tensors]
+        if bias.ndim == 0:
+            return out + [dbias], [0, 0, 0, not_mapped]
+        dbias = _unfold(size, dbias)
+        bias_batch = bias.shape[0] if dims[num_tensors] is not_mapped else \
+            jnp.moveaxis(bias, dims[num_tensors], 0).shape[1]
+        if bias_batch == 1:  # the instance's bias was shared by its batch: sum its gradient
+            dbias = jnp.sum(dbias, axis=1, keepdims=True)
+        return out + [dbias], [0, 0, 0, 0]
     return rule
 
 
-batching.primitive_batchers[attention_fwd_p] = _batch_rule(attention_fwd_p)
-batching.primitive_batchers[attention_bwd_p] = _batch_rule(attention_bwd_p)
+batching.primitive_batchers[attention_fwd_p] = _batch_rule(attention_fwd_p, 3)
+batching.primitive_batchers[attention_bwd_p] = _batch_rule(attention_bwd_p, 7)

@@ -1,10 +1,12 @@
 """The attention primitives: abstract evaluation and lowering to the FFI targets per platform.
 
 Two primitives, both in the public layout (q BTNH, k BSKH, v BSKHv, lse BTN float32):
-  attention_fwd_p(q, k, v)                        -> (o, lse)
-  attention_bwd_p(q, k, v, o, lse, do, dlse)      -> (dq, dk, dv)
-Parameters: scale (float), is_causal (bool), implementation (None, 'cpu' or 'cuda').
-Inputs are validated by the public functions before they get here.
+  attention_fwd_p(q, k, v, *extras)                        -> (o, lse)
+  attention_bwd_p(q, k, v, o, lse, do, dlse, *extras)      -> (dq, dk, dv, dbias)
+extras are the eight operands of _options.Extras in order (bias, mask, lengths, segment ids,
+ALiBi slopes, dropout seeds), each a rank-0 placeholder where absent; dbias is float32 in the
+bias's shape, or a rank-0 placeholder. Parameters: scale (float), config (_options.MaskConfig),
+implementation (None, 'cpu' or 'cuda'). Inputs are validated by the public functions first.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 
 from . import _ext
 from ._compat import Primitive, ShapedArray, apply_primitive, mlir
+from ._options import Extras
 
 attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -23,15 +26,16 @@ attention_bwd_p = Primitive("jfa_attention_bwd")
 attention_bwd_p.multiple_results = True
 
 
-def _fwd_abstract_eval(q, k, v, *, scale, is_causal, implementation):
+def _fwd_abstract_eval(q, k, v, *extras, scale, config, implementation):
     B, T, N, _ = q.shape
     Hv = v.shape[-1]
     return (ShapedArray((B, T, N, Hv), q.dtype), ShapedArray((B, T, N), jnp.float32))
 
 
-def _bwd_abstract_eval(q, k, v, o, lse, do, dlse, *, scale, is_causal, implementation):
+def _bwd_abstract_eval(q, k, v, o, lse, do, dlse, *extras, scale, config, implementation):
+    bias = extras[0]
     return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
-            ShapedArray(v.shape, v.dtype))
+            ShapedArray(v.shape, v.dtype), ShapedArray(bias.shape, jnp.float32))
 
 
 attention_fwd_p.def_impl(partial(apply_primitive, attention_fwd_p))
@@ -44,6 +48,12 @@ def _ffi_attrs(scale, is_causal):
     return dict(scale=np.float32(scale), is_causal=np.int32(bool(is_causal)))
 
 
+def _cpu_ffi_attrs(scale, config):
+    return dict(_ffi_attrs(scale, config.is_causal), bottom_right=np.int32(config.bottom_right),
+                window_left=np.int64(config.window_left), window_right=np.int64(config.window_right),
+                softcap=np.float32(config.softcap), dropout_rate=np.float32(config.dropout_rate))
+
+
 def _require(platform: str, implementation):
     if implementation not in (None, platform):
         raise ValueError(
@@ -54,12 +64,14 @@ def _require(platform: str, implementation):
 
 # ---- CPU -----------------------------------------------------------------------------------------
 
+# The CPU handlers take every extra operand (rank-0 placeholders included) and config's attributes.
+
 def _cpu_lowering(target):
     lowered = jax.ffi.ffi_lowering(target)
 
-    def rule(ctx, *args, scale, is_causal, implementation):
+    def rule(ctx, *args, scale, config, implementation):
         _require("cpu", implementation)
-        return lowered(ctx, *args, **_ffi_attrs(scale, is_causal))
+        return lowered(ctx, *args, **_cpu_ffi_attrs(scale, config))
     return rule
 
 
@@ -126,14 +138,31 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *, scale, is_causal):
     return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 
 
-def _cuda_lowering(fn):
-    lowered = mlir.lower_fun(fn, multiple_results=True)
+def _check_cuda_features(config, extras_avals):
+    """The CUDA kernels have no masks/bias/dropout yet: say which keyword, never ignore it."""
+    used = config.nondefault_keywords() + [
+        name for name, aval in zip(Extras._fields, extras_avals) if aval.ndim > 0]
+    if used:
+        raise NotImplementedError(
+            f"jax_flashattn: {', '.join(used)} {'is' if len(used) == 1 else 'are'} not supported by "
+            "the CUDA kernels yet (CPU only for now); run on the CPU or use jax.nn.dot_product_attention")
 
-    def rule(ctx, *args, scale, is_causal, implementation):
+
+def _cuda_lowering(fn, num_tensors):
+    def without_extras(*args, scale, is_causal):
+        outs = fn(*args[:num_tensors], scale=scale, is_causal=is_causal)
+        if fn is _cuda_backward:  # the dbias placeholder (no bias reaches this point)
+            outs = (*outs, jnp.zeros((), jnp.float32))
+        return outs
+
+    lowered = mlir.lower_fun(without_extras, multiple_results=True)
+
+    def rule(ctx, *args, scale, config, implementation):
         _require("cuda", implementation)
-        return lowered(ctx, *args, scale=scale, is_causal=is_causal)
+        _check_cuda_features(config, ctx.avals_in[num_tensors:])
+        return lowered(ctx, *args, scale=scale, is_causal=config.is_causal)
     return rule
 
 
-mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward), platform="cuda")
-mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward), platform="cuda")
+mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward, 3), platform="cuda")
+mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward, 7), platform="cuda")

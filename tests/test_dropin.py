@@ -17,14 +17,21 @@ def _jax_nn_has_residual():
     return "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters
 
 
+OUR_KEYWORDS = ["causal_alignment", "q_segment_ids", "kv_segment_ids", "softcap", "alibi_slopes",
+                "dropout_rate", "dropout_rng", "deterministic"]
+
+
 def test_signature_is_jax_nn_signature():
-    """Same names, kinds and defaults, in order (older jax lacks the trailing return_residual)."""
+    """Same names, kinds and defaults, in order (older jax lacks the trailing return_residual),
+    then jax_flashattn's own keywords, keyword-only."""
     ours = [(p.name, p.kind, p.default)
             for p in inspect.signature(jfa.dot_product_attention).parameters.values()]
     theirs = [(p.name, p.kind, p.default)
               for p in inspect.signature(jax.nn.dot_product_attention).parameters.values()]
     assert ours[:len(theirs)] == theirs
-    assert len(ours) == len(theirs) + (0 if _jax_nn_has_residual() else 1)
+    rest = ours[len(theirs) + (0 if _jax_nn_has_residual() else 1):]
+    assert [name for name, _, _ in rest] == OUR_KEYWORDS
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in rest)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
@@ -98,14 +105,57 @@ def test_xla_passthrough_is_jax_nn():
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
-@pytest.mark.parametrize("name, value", [
-    ("bias", jnp.zeros((1, 2, 8, 8))), ("mask", jnp.ones((1, 2, 8, 8), bool)),
-    ("query_seq_lengths", jnp.array([4], jnp.int32)),
-    ("key_value_seq_lengths", jnp.array([4], jnp.int32)), ("local_window_size", 2)])
-def test_not_yet_supported_arguments_are_named(name, value):
+def _nn_keywords(name, seed, B, T, S, N):
+    rng = np.random.default_rng(seed)
+    return {
+        "bias_full": dict(bias=jnp.asarray(rng.normal(size=(B, N, T, S)), jnp.float32)),
+        "bias_heads": dict(bias=jnp.asarray(rng.normal(size=(1, N, 1, S)), jnp.float32)),
+        "bias_keys": dict(bias=jnp.asarray(rng.normal(size=(B, 1, 1, S)), jnp.float32)),
+        "mask": dict(mask=jnp.asarray(rng.random((B, 1, T, S)) < 0.7) | jnp.eye(T, S, dtype=bool)),
+        "mask_heads": dict(mask=jnp.asarray(rng.random((1, N, T, S)) < 0.7) | jnp.eye(T, S, dtype=bool)),
+        # kv length >= query length: every valid query keeps a key (the diagonal), so no row is
+        # fully masked (where jax.nn would average all values and we give 0).
+        "lengths": dict(query_seq_lengths=jnp.asarray(rng.integers(1, T // 2, B), jnp.int32),
+                        key_value_seq_lengths=jnp.asarray(rng.integers(T // 2, S + 1, B), jnp.int32)),
+        "window": dict(local_window_size=(6, 2)),
+        "window_int": dict(local_window_size=4),
+    }[name]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("names", [("bias_full",), ("bias_heads",), ("bias_keys", "mask"),
+                                   ("mask_heads",), ("lengths",), ("window",),
+                                   ("window_int", "lengths", "bias_heads")], ids="+".join)
+def test_masks_and_bias_match_jax_nn(names, is_causal):
+    """bias, mask, lengths and local_window_size with jax.nn's meaning: outputs and gradients
+    (bias included) against jax.nn's XLA implementation in float32."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 37, 37, 4, 2, 32   # jax.nn's causal mask and window need T == S here
+    q, k, v = random_qkv(seed, B, T, S, N, K, H)
+    kw = {}
+    for i, name in enumerate(names):
+        kw.update(_nn_keywords(name, seed + i, B, T, S, N))
+    bias = kw.pop("bias", None)
+    w = jax.random.normal(jax.random.key(seed + 9), (B, T, N, H))
+
+    def loss(fn, q, k, v, bias):
+        return jnp.sum(fn(q, k, v, bias, is_causal=is_causal, **kw) * w)
+
+    xla = partial(jax.nn.dot_product_attention, implementation="xla")
+    ours = jax.jit(jax.value_and_grad(partial(loss, jfa.dot_product_attention), argnums=(0, 1, 2, 3)))
+    theirs = jax.value_and_grad(partial(loss, xla), argnums=(0, 1, 2, 3))
+    (val, grads), (ref_val, ref_grads) = ours(q, k, v, bias), theirs(q, k, v, bias)
+    out = jfa.dot_product_attention(q, k, v, bias, is_causal=is_causal, **kw)
+    assert rel_err(out, xla(q, k, v, bias, is_causal=is_causal, **kw)) <= 1e-5, f"seed {seed}"
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        if r is not None:
+            assert rel_err(g, r) <= 4e-5, f"seed {seed}: {name} {rel_err(g, r)}"
+
+
+def test_our_keywords_are_refused_by_the_jax_nn_passthrough():
     q, k, v = random_qkv(fresh_seed(), 1, 8, 8, 2, 2, 16)
-    with pytest.raises(NotImplementedError, match=name):
-        jfa.dot_product_attention(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match="softcap"):
+        jfa.dot_product_attention(q, k, v, softcap=2.0, implementation="xla")
 
 
 def test_jax_nn_shape_rules():

@@ -67,8 +67,25 @@ def test_linen_multi_head_attention_matches_default():
     assert rel_err(ours.apply(params, x), theirs.apply(params, x)) <= 1e-5, f"seed {seed}"
 
 
-def test_unsupported_mask_is_named():
-    x = jnp.ones((1, 5, 32))
-    model = _nnx_mha(0, attention_fn)
-    with pytest.raises(NotImplementedError, match="mask"):
-        model(x, mask=jnp.ones((1, 1, 5, 5), bool))
+def test_mask_and_bias_match_flax():
+    """A padding-style mask and a bias through nnx MultiHeadAttention, as Flax computes them."""
+    seed = fresh_seed() % 2**31
+    x = jax.random.normal(jax.random.key(seed), (2, 13, 32))
+    mask = jax.random.bernoulli(jax.random.key(seed + 1), 0.7, (2, 1, 13, 13)) | jnp.eye(13, dtype=bool)
+    bias = jax.random.normal(jax.random.key(seed + 2), (1, 4, 13, 13))
+    ours = _nnx_mha(seed, functools.partial(attention_fn, bias=bias))
+    theirs = _nnx_mha(seed, functools.partial(nnx.dot_product_attention, bias=bias))
+    assert rel_err(ours(x, mask=mask), theirs(x, mask=mask)) <= 1e-5, f"seed {seed}"
+
+
+def test_dropout_rate_and_determinism():
+    """Flax's dropout through nnx: off when deterministic, keyed by the module's rngs otherwise."""
+    x = jax.random.normal(jax.random.key(0), (1, 16, 32))
+    model = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=64, decode=False,
+                                   dropout_rate=0.5, rngs=nnx.Rngs(0, dropout=1),
+                                   attention_fn=attention_fn)
+    plain = _nnx_mha(0, attention_fn)
+    nnx.update(plain, nnx.state(model, nnx.Param))
+    assert rel_err(model(x, deterministic=True), plain(x)) <= 1e-6
+    a, b = model(x, deterministic=False), model(x, deterministic=False)
+    assert rel_err(a, b) > 1e-3  # the rng stream advanced: a new mask

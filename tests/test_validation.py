@@ -95,3 +95,79 @@ def test_failed_call_leaves_inputs_untouched():
         jfa.flash_attention(q, k[:, :, :1].repeat(3, axis=2), v)
     for b, x in zip(before, (q, k, v)):
         np.testing.assert_array_equal(b, np.asarray(x))
+
+
+# ---- masking and training keywords ---------------------------------------------------------------
+
+def _qkv():
+    return _arrays((2, 8, 4, 16), (2, 12, 2, 16), (2, 12, 2, 16))
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(query_seq_lengths=jnp.array([3.0, 4.0])),
+     TypeError, ["query_seq_lengths", "int32"]),
+    (dict(key_value_seq_lengths=jnp.array([3, 4, 5], jnp.int32)), ValueError,
+     ["key_value_seq_lengths", "(3,)", "(2,)"]),
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, ["kv_segment_ids", "together"]),
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32)),
+     ValueError, ["kv_segment_ids", "(2, 8)", "(2, 12)"]),
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.float32), kv_segment_ids=jnp.zeros((2, 12), jnp.int32)),
+     TypeError, ["q_segment_ids", "int32"]),
+    (dict(softcap=0.0), ValueError, ["softcap", "0.0"]),
+    (dict(softcap=-1.0), ValueError, ["softcap"]),
+    (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, ["dropout_rate", "[0, 1)"]),
+    (dict(dropout_rate=-0.1, dropout_rng=jax.random.key(0)), ValueError, ["dropout_rate"]),
+    (dict(dropout_rate=0.1), ValueError, ["dropout_rng"]),
+    (dict(dropout_rate=0.1, dropout_rng=jnp.zeros((3,), jnp.float32)), TypeError, ["dropout_rng"]),
+    (dict(bias=jnp.zeros((2, 4, 8, 11))), ValueError, ["bias", "(2, 4, 8, 11)", "(2, 4, 8, 12)"]),
+    (dict(bias=jnp.zeros((8, 12), jnp.int32)), TypeError, ["bias"]),
+    (dict(mask=jnp.ones((8, 12), jnp.float32)), TypeError, ["mask", "bool"]),
+    (dict(mask=jnp.ones((3, 1, 8, 12), bool)), ValueError, ["mask", "(3, 1, 8, 12)"]),
+    (dict(local_window_size=-1), ValueError, ["local_window_size"]),
+    (dict(local_window_size=(1, 2, 3)), ValueError, ["local_window_size"]),
+    (dict(causal_alignment="bottom"), ValueError, ["causal_alignment", "bottom_right"]),
+    (dict(alibi_slopes=jnp.ones((3,))), ValueError, ["alibi_slopes", "N=4"]),
+    (dict(deterministic="yes"), TypeError, ["deterministic"]),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
+def test_mask_keyword_errors_name_the_argument(kw, error, words):
+    with pytest.raises(error) as info:
+        jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, **kw))(*_qkv())
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_dropin_checks_our_keywords_too():
+    with pytest.raises(ValueError, match="softcap"):
+        jfa.dot_product_attention(*_qkv(), softcap=0.0)
+
+
+def test_kernel_checks_operands_again():
+    """What reaches the C++ handler is checked there too: an ffi::Error, not a crash."""
+    from jax_flashattn._options import MaskConfig
+    from jax_flashattn.primitives import attention_fwd_p
+    q, k, v = _qkv()
+    none = jnp.zeros((), jnp.int32)
+    bad_lengths = jnp.array([1, 2, 3], jnp.int32)
+    with pytest.raises(Exception, match="query_seq_lengths"):
+        attention_fwd_p.bind(q, k, v, none, none, bad_lengths, none, none, none, none, none,
+                             scale=0.25, config=MaskConfig(), implementation=None)
+    with pytest.raises(Exception, match="dropout"):
+        attention_fwd_p.bind(q, k, v, *[none] * 8, scale=0.25,
+                             config=MaskConfig(dropout_rate=0.5), implementation=None)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(softcap=2.0), "softcap"), (dict(bias=jnp.zeros((8, 12))), "bias"),
+    (dict(mask=jnp.ones((8, 12), bool)), "mask"),
+    (dict(query_seq_lengths=jnp.array([3, 4], jnp.int32)), "query_seq_lengths"),
+    (dict(local_window_size=3), "local_window_size"),
+    (dict(causal_alignment="bottom_right"), "causal_alignment"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
+    (dict(deterministic=True), "deterministic"),
+])
+def test_cuda_lowering_names_unsupported_keywords(kw, name):
+    """The CUDA kernels do not have these yet: lowering for CUDA says so, never ignores them."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
+    traced = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, **kw)).trace(q, k, v)
+    with pytest.raises(NotImplementedError, match=name):
+        traced.lower(lowering_platforms=("cuda",))

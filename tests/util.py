@@ -43,3 +43,44 @@ def reference_with_grads(q, k, v, do, dlse, *, scale=None, is_causal=False):
 
     (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
     return out, lse, vjp((up(do), up(dlse)))
+
+
+def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref_kw=None):
+    """Forward (out, lse) and the gradients of <out, do> + <lse, dlse> for q, k, v (and bias),
+    ours (jitted) against the float32 reference with the same keywords; asserts the bounds.
+
+    kw holds every keyword but bias; ref_kw, if given, replaces kw for the reference (dropout).
+    Rows the reference leaves fully masked must give out = 0 and lse = -inf exactly.
+    """
+    import jax_flashattn as jfa
+    B, T, S, N, K, H = shape
+    q, k, v = random_qkv(seed, B, T, S, N, K, H, dtype=dtype)
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    do = jax.random.normal(keys[0], (B, T, N, H)).astype(dtype)
+    dlse = jax.random.normal(keys[1], (B, T, N), jnp.float32)
+    ref_kw = kw if ref_kw is None else ref_kw
+
+    def ours(q, k, v, bias):
+        return jfa.flash_attention(q, k, v, bias=bias, return_lse=True, **kw)
+
+    def ref(q, k, v, bias):
+        up = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
+        return attention_reference(up(q), up(k), up(v), bias=up(bias), **ref_kw)
+
+    (out, lse), vjp = jax.vjp(jax.jit(ours), q, k, v, bias)
+    (r_out, r_lse), r_vjp = jax.vjp(ref, q, k, v, bias)
+    masked = ~np.isfinite(np.asarray(r_lse))
+    dlse = jnp.where(masked, 0.0, dlse)
+    grads, r_grads = vjp((do, dlse)), r_vjp((do.astype(jnp.float32), dlse))
+    fwd_bound, grad_bound = BOUNDS[dtype]
+    assert rel_err(out, r_out) <= fwd_bound, f"seed {seed}: out {rel_err(out, r_out)}"
+    lse_np = np.asarray(lse)
+    assert np.array_equal(~np.isfinite(lse_np), masked), f"seed {seed}: fully masked rows differ"
+    assert np.all(np.isneginf(lse_np[masked])), f"seed {seed}: masked lse must be -inf"
+    assert not np.any(np.asarray(out, np.float32)[masked]), f"seed {seed}: masked rows must be 0"
+    assert rel_err(np.where(masked, 0, lse_np), np.where(masked, 0, r_lse)) <= fwd_bound, f"seed {seed}: lse"
+    names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
+    for name, g, r in zip(names, grads, r_grads):
+        assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype, r.dtype)
+        assert rel_err(g, r) <= grad_bound, f"seed {seed}: {name} error {rel_err(g, r)}"
+    return out, lse, grads

@@ -1,7 +1,11 @@
 // FlashAttention-2 backward on the CPU, deterministic and without atomics:
 //   pass 0, per (b, n, query block): D = rowsum(dO∘O) - dLSE and lse2 = lse·log2(e) (O(B·N·T) floats);
 //   pass 1, per (b, kv head, key block): dK, dV summed over the G query heads and all query blocks;
-//   pass 2, per (b, n, query block): dQ summed over key blocks.
+//   pass 2, per (b, n, query block): dQ summed over key blocks;
+//   pass 3, only with a bias: d(bias) in the bias's broadcast shape (bias_grad.cc).
+// Masks skip whole tiles in every pass (masking.h). Dropout regenerates the forward's mask:
+// dV uses the dropped P, and dP = dO·Vᵀ is scaled by keep / (1 - rate) before dS. Soft-capping
+// multiplies dS by 1 - tanh² before dQ and dK; d(bias) is dS itself.
 // Both passes recompute P = exp2(q·kᵀ·scale_log2 - lse2) tile by tile instead of storing it, and
 // dS = P∘(dP - D) with dP = dO·Vᵀ (dLSE enters through D since d lse / d logits = P).
 #include <algorithm>
@@ -9,6 +13,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "backward_stats.h"
 #include "kernels.h"
 #include "masking.h"
 #include "parallel_for.h"
@@ -17,70 +22,18 @@
 namespace jfa::cpu {
 namespace {
 
-constexpr int kBr = 64;  // query rows per tile
-constexpr int kBc = 64;  // keys per tile
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Per-row softmax statistics of the forward pass, packed [B][N][T] so tiles read them contiguously.
-struct RowStats {
-  std::vector<float> lse2;  // lse·log2(e); +inf for rows that saw no key, so their P is exactly 0
-  std::vector<float> d;     // rowsum(dO∘O) - dLSE
-  int64_t T;
-  const float* lse2_at(int64_t b, int64_t n, int64_t N, int64_t i) const { return lse2.data() + ((b * N + n) * T + i); }
-  const float* d_at(int64_t b, int64_t n, int64_t N, int64_t i) const { return d.data() + ((b * N + n) * T + i); }
-};
-
-float at(const float* x, const Strides& st, int64_t b, int64_t t, int64_t n) {
-  return x[b * st.batch + t * st.row + n * st.head];
-}
-
-RowStats row_stats(const AttentionParams& p) {
-  RowStats stats{std::vector<float>(p.B * p.N * p.T), std::vector<float>(p.B * p.N * p.T), p.T};
-  const int Hv = static_cast<int>(p.Hv);
-  const int64_t q_blocks = (p.T + kBr - 1) / kBr;
-  std::vector<std::vector<float>> scratch(num_threads_for(p.B * p.N * q_blocks),
-                                          std::vector<float>(2 * static_cast<size_t>(kBr) * Hv));
-  parallel_for(p.B * p.N * q_blocks, [&](int thread, int64_t item) {
-    const int64_t qb = item % q_blocks, b = item / q_blocks / p.N, n = item / q_blocks % p.N;
-    const int64_t i0 = qb * kBr;
-    const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
-    float* o = scratch[thread].data();
-    float* dout = o + static_cast<size_t>(kBr) * Hv;
-    load_rows(head_view(p.o, p.dtype, p.o_strides, b, n), i0, rows, Hv, 1.f, o, Hv, rows);
-    load_rows(head_view(p.dout, p.dtype, p.do_strides, b, n), i0, rows, Hv, 1.f, dout, Hv, rows);
-    for (int r = 0; r < rows; ++r) {
-      float dot = 0.f;
-      for (int c = 0; c < Hv; ++c) dot += o[r * Hv + c] * dout[r * Hv + c];
-      const int64_t i = i0 + r, packed = (b * p.N + n) * p.T + i;
-      const float lse = at(p.lse, p.lse_strides, b, i, n);
-      stats.d[packed] = dot - (p.dlse ? at(p.dlse, p.lse_strides, b, i, n) : 0.f);
-      stats.lse2[packed] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-    }
-  });
-  return stats;
-}
-
-// Copies the stats of query rows [i0, i0 + rows) into kBr-long tiles; padding rows get lse2 = +inf
-// (P = 0) and D = 0, so they contribute nothing.
-void load_stats(const RowStats& stats, int64_t b, int64_t n, int64_t N, int64_t i0, int rows, float* lse2,
-                float* d) {
-  std::copy_n(stats.lse2_at(b, n, N, i0), rows, lse2);
-  std::copy_n(stats.d_at(b, n, N, i0), rows, d);
-  std::fill(lse2 + rows, lse2 + kBr, INFINITY);
-  std::fill(d + rows, d + kBr, 0.f);
-}
-
 // Pass 1 scratch. The item's K and V are converted once, transposed (kt times scale_log2); the
 // query-side tiles are read in place when possible, and Pᵀ / dSᵀ are read transposed by gemm_at.
 struct KeyBlockScratch {
   KeyBlockScratch(int H, int Hv)
       : kt(static_cast<size_t>(H) * kBc), vt(static_cast<size_t>(Hv) * kBc),
         q(static_cast<size_t>(kBr) * round_up_columns(H)), dout(static_cast<size_t>(kBr) * round_up_columns(Hv)),
-        s(kBr * kBc), dp(kBr * kBc), dk(static_cast<size_t>(kBc) * round_up_columns(H)),
+        s(kBr * kBc), dp(kBr * kBc), pd(kBr * kBc), sg(kBr * kBc), dk(static_cast<size_t>(kBc) * round_up_columns(H)),
         dv(static_cast<size_t>(kBc) * round_up_columns(Hv)), lse2(kBr), d(kBr) {}
   std::vector<float> kt, vt;     // [H][kBc] (times scale_log2), [Hv][kBc]
   std::vector<float> q, dout;    // conversion space for query-side rows
   std::vector<float> s, dp;      // [kBr][kBc]: P, and dP -> dS
+  std::vector<float> pd, sg;     // [kBr][kBc]: P after dropout, softcap derivative
   std::vector<float> dk, dv;     // [kBc][H padded], [kBc][Hv padded]
   std::vector<float> lse2, d;    // [kBr]
 };
@@ -96,22 +49,35 @@ void key_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, 
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
 
   const int64_t G = p.group_size();
-  const int64_t first_block = first_visible_query(p, j0) / kBr;
+  const SequenceBounds bounds = sequence_bounds(p, b);
+  const bool softcap = p.mask.softcap > 0.f, dropout = p.mask.has_dropout();
   for (int64_t n = kv_head * G; n < (kv_head + 1) * G; ++n) {
     const HeadView q = head_view(p.q, p.dtype, p.q_strides, b, n);
     const HeadView dout = head_view(p.dout, p.dtype, p.do_strides, b, n);
-    for (int64_t i0 = first_block * kBr; i0 < p.T; i0 += kBr) {
+    for (int64_t i0 = 0; i0 < p.T; i0 += kBr) {
       const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
+      const TileCoords tile{b, n, i0, rows, j0, keys};
+      const TileKind kind = tile_kind(p, bounds, tile);
+      if (kind == TileKind::kSkip) continue;
       const FloatRows qb = rows_as_float(q, i0, rows, H, Hp, w.q.data());
       const FloatRows db = rows_as_float(dout, i0, rows, Hv, Hvp, w.dout.data());
       load_stats(stats, b, n, p.N, i0, rows, w.lse2.data(), w.d.data());
 
       gemm(rows, kBc, H, qb.data, qb.ld, w.kt.data(), kBc, w.s.data(), kBc, false);  // S (log2 units)
-      mask_scores(p, i0, rows, j0, keys, w.s.data(), kBc, /*transposed=*/false);
+      prepare_scores(p, bounds, tile, kind, w.s.data(), kBc, /*transposed=*/false,
+                     softcap ? w.sg.data() : nullptr);
       exp2_minus_row(w.s.data(), rows, kBc, kBc, w.lse2.data());                      // P
-      gemm_at(keys, Hvp, rows, w.s.data(), kBc, db.data, db.ld, w.dv.data(), Hvp, true);   // dV += Pᵀ·dO
+      const float* pv = w.s.data();
+      if (dropout) {
+        std::copy_n(w.s.data(), static_cast<size_t>(rows) * kBc, w.pd.data());
+        apply_dropout(p, tile, w.pd.data(), kBc, /*transposed=*/false);
+        pv = w.pd.data();
+      }
+      gemm_at(keys, Hvp, rows, pv, kBc, db.data, db.ld, w.dv.data(), Hvp, true);   // dV += Pᵀ·dO
       gemm(rows, kBc, Hv, db.data, db.ld, w.vt.data(), kBc, w.dp.data(), kBc, false);  // dP = dO·Vᵀ
+      if (dropout) apply_dropout(p, tile, w.dp.data(), kBc, /*transposed=*/false);
       ds_from_dp_row(w.dp.data(), w.s.data(), rows, kBc, kBc, w.d.data());             // dS
+      if (softcap) multiply_tiles(w.dp.data(), w.sg.data(), rows, keys, kBc);
       gemm_at(keys, Hp, rows, w.dp.data(), kBc, qb.data, qb.ld, w.dk.data(), Hp, true);    // dK += dSᵀ·Q
     }
   }
@@ -125,10 +91,11 @@ struct QueryBlockScratch {
   QueryBlockScratch(int H, int Hv)
       : qt(static_cast<size_t>(H) * kBr), doutt(static_cast<size_t>(Hv) * kBr),
         k(static_cast<size_t>(kBc) * round_up_columns(H)), v(static_cast<size_t>(kBc) * Hv), st(kBc * kBr),
-        dpt(kBc * kBr), dq(static_cast<size_t>(kBr) * round_up_columns(H)), lse2(kBr), d(kBr) {}
+        dpt(kBc * kBr), sgt(kBc * kBr), dq(static_cast<size_t>(kBr) * round_up_columns(H)), lse2(kBr), d(kBr) {}
   std::vector<float> qt, doutt;  // [H][kBr] (times scale_log2), [Hv][kBr]
   std::vector<float> k, v;       // conversion space for K/V rows
   std::vector<float> st, dpt;    // [kBc][kBr]: Pᵀ, and dPᵀ -> dSᵀ
+  std::vector<float> sgt;        // [kBc][kBr]: softcap derivative
   std::vector<float> dq;         // [kBr][H padded]
   std::vector<float> lse2, d;    // [kBr]
 };
@@ -145,17 +112,25 @@ void query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b
   load_stats(stats, b, n, p.N, i0, rows, w.lse2.data(), w.d.data());
   std::fill(w.dq.begin(), w.dq.end(), 0.f);
 
-  const int64_t key_end = visible_key_end(p, i0, rows);
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBc) {
+  const SequenceBounds bounds = sequence_bounds(p, b);
+  const KeyRange range = key_range(p, bounds, i0, rows);
+  const bool softcap = p.mask.softcap > 0.f;
+  for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
+    const TileCoords tile{b, n, i0, rows, j0, keys};
+    const TileKind kind = tile_kind(p, bounds, tile);
+    if (kind == TileKind::kSkip) continue;
     const FloatRows kb = rows_as_float(k, j0, keys, H, Hp, w.k.data());
     const FloatRows vb = rows_as_float(v, j0, keys, Hv, Hv, w.v.data());
 
     gemm(keys, kBr, H, kb.data, kb.ld, w.qt.data(), kBr, w.st.data(), kBr, false);  // Sᵀ
-    mask_scores(p, i0, rows, j0, keys, w.st.data(), kBr, /*transposed=*/true);
+    prepare_scores(p, bounds, tile, kind, w.st.data(), kBr, /*transposed=*/true,
+                   softcap ? w.sgt.data() : nullptr);
     exp2_minus_col(w.st.data(), keys, kBr, kBr, w.lse2.data());                      // Pᵀ
     gemm(keys, kBr, Hv, vb.data, vb.ld, w.doutt.data(), kBr, w.dpt.data(), kBr, false);  // dPᵀ
+    if (p.mask.has_dropout()) apply_dropout(p, tile, w.dpt.data(), kBr, /*transposed=*/true);
     ds_from_dp_col(w.dpt.data(), w.st.data(), keys, kBr, kBr, w.d.data());           // dSᵀ
+    if (softcap) multiply_tiles(w.dpt.data(), w.sgt.data(), keys, rows, kBr);
     gemm_at(rows, Hp, keys, w.dpt.data(), kBr, kb.data, kb.ld, w.dq.data(), Hp, true);  // dQ += dS·K
   }
   store_rows(p.dq, p.dtype, p.dq_strides, b, n, i0, rows, H, p.scale, w.dq.data(), Hp);
@@ -188,6 +163,8 @@ void backward(const AttentionParams& p) {
     const int64_t qb = q_blocks - 1 - item % q_blocks, bn = item / q_blocks;
     query_block_item(p, stats, bn / p.N, bn % p.N, qb * kBr, scratch[thread]);
   });
+
+  if (p.mask.bias != nullptr) bias_gradient(p, stats);
 }
 
 }  // namespace jfa::cpu

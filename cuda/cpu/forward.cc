@@ -45,14 +45,22 @@ void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, Fo
   std::fill(w.m.begin(), w.m.end(), -INFINITY);
   std::fill(w.l.begin(), w.l.end(), 0.f);
 
-  const int64_t key_end = visible_key_end(p, i0, rows);
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBc) {
+  // Only the key blocks that the policies let some row of this block see (causal triangle,
+  // window band, lengths); skipped tiles inside that range are ones without a shared segment.
+  const SequenceBounds bounds = sequence_bounds(p, b);
+  const KeyRange range = key_range(p, bounds, i0, rows);
+  for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
+    const TileCoords tile{b, n, i0, rows, j0, keys};
+    const TileKind kind = tile_kind(p, bounds, tile);
+    if (kind == TileKind::kSkip) continue;
     const FloatRows kb = rows_as_float(k, j0, keys, H, H, w.k.data());
     const FloatRows vb = rows_as_float(v, j0, keys, Hv, Hvp, w.v.data());
     gemm(keys, kBr, H, kb.data, kb.ld, w.qt.data(), kBr, w.st.data(), kBr, false);
-    mask_scores(p, i0, rows, j0, keys, w.st.data(), kBr, /*transposed=*/true);
+    prepare_scores(p, bounds, tile, kind, w.st.data(), kBr, /*transposed=*/true, nullptr);
     softmax_step_transposed(w.st.data(), keys, kBr, kBr, w.m.data(), w.l.data(), w.acc.data(), Hvp, Hvp);
+    // Dropout after the softmax statistics: l sums the undropped P, so lse is dropout-free.
+    if (p.mask.has_dropout()) apply_dropout(p, tile, w.st.data(), kBr, /*transposed=*/true);
     gemm_at(rows, Hvp, keys, w.st.data(), kBr, vb.data, vb.ld, w.acc.data(), Hvp, true);
   }
 

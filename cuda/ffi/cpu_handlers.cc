@@ -1,6 +1,10 @@
 // XLA FFI handlers for the CPU platform: decode, check, run the C++ FlashAttention-2 kernels.
+//
+// Beyond q, k, v the handlers take every masking/training operand (bias, mask, lengths, segment
+// ids, ALiBi slopes, dropout seeds; rank 0 = absent) and their attributes: see decode_mask.h.
 #include "cpu/attention_cpu.h"
 #include "ffi/decode.h"
+#include "ffi/decode_mask.h"
 #include "ffi/handlers.h"
 
 namespace jfa {
@@ -9,24 +13,45 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_decode::decode_backward;
 using ffi_decode::decode_forward;
+using ffi_decode::MaskAttrs;
+using ffi_decode::MaskOperands;
 
-ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
+                      ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                      ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                      ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                      int32_t is_causal) {
+                      int32_t is_causal, int32_t bottom_right, int64_t window_left,
+                      int64_t window_right, float softcap, float dropout_rate) {
   AttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
+  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                           alibi_slopes, dropout_seeds};
+  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
+  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   cpu::forward(p);
   return ffi::Error::Success();
 }
 
 ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
-                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                       ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t is_causal) {
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
+                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
+                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                       ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t is_causal,
+                       int32_t bottom_right, int64_t window_left, int64_t window_right,
+                       float softcap, float dropout_rate) {
   AttentionParams p;
   if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
       e.failure())
     return e;
+  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                           alibi_slopes, dropout_seeds};
+  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
+  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
   cpu::backward(p);
   return ffi::Error::Success();
 }
@@ -34,27 +59,55 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
 }  // namespace
 }  // namespace jfa
 
+// Optional operands (rank 0 = absent) and attributes in the order of MaskOperands / MaskAttrs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCpu, jfa::ForwardCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Ret<xla::ffi::AnyBuffer>()  // o
-                                  .Ret<xla::ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"));
+    xla::ffi::Ffi::Bind()
+      .Arg<xla::ffi::AnyBuffer>()  // q
+      .Arg<xla::ffi::AnyBuffer>()  // k
+      .Arg<xla::ffi::AnyBuffer>()  // v
+      .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
+      .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+      .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
+      .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
+      .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
+      .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
+      .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
+      .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+      .Ret<xla::ffi::AnyBuffer>()  // o
+      .Ret<xla::ffi::AnyBuffer>()  // lse
+      .Attr<float>("scale")
+      .Attr<int32_t>("is_causal")
+      .Attr<int32_t>("bottom_right")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softcap")
+      .Attr<float>("dropout_rate"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCpu, jfa::BackwardCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // o
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse
-                                  .Arg<xla::ffi::AnyBuffer>()  // dout
-                                  .Arg<xla::ffi::AnyBuffer>()  // dlse
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"));
+    xla::ffi::Ffi::Bind()
+      .Arg<xla::ffi::AnyBuffer>()  // q
+      .Arg<xla::ffi::AnyBuffer>()  // k
+      .Arg<xla::ffi::AnyBuffer>()  // v
+      .Arg<xla::ffi::AnyBuffer>()  // o
+      .Arg<xla::ffi::AnyBuffer>()  // lse
+      .Arg<xla::ffi::AnyBuffer>()  // dout
+      .Arg<xla::ffi::AnyBuffer>()  // dlse
+      .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
+      .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+      .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
+      .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
+      .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
+      .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
+      .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
+      .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+      .Ret<xla::ffi::AnyBuffer>()  // dq
+      .Ret<xla::ffi::AnyBuffer>()  // dk
+      .Ret<xla::ffi::AnyBuffer>()  // dv
+      .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
+      .Attr<float>("scale")
+      .Attr<int32_t>("is_causal")
+      .Attr<int32_t>("bottom_right")
+      .Attr<int64_t>("window_left")
+      .Attr<int64_t>("window_right")
+      .Attr<float>("softcap")
+      .Attr<float>("dropout_rate"));

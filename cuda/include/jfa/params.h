@@ -11,11 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JFA_HOST_DEVICE __host__ __device__
-#else
-#define JFA_HOST_DEVICE
-#endif
+#include "jfa/host_device.h"
 
 namespace jfa {
 
@@ -46,6 +42,65 @@ inline Strides packed_strides(int64_t rows, int64_t heads, int64_t dim) {
   return Strides{rows * heads * dim, heads * dim, dim};
 }
 
+// Element strides of a [batch, head, row (query), col (key)] tensor that is broadcast to
+// [B, N, T, S]: a broadcast axis has stride 0, so a small bias or mask is never expanded.
+struct Strides4 {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t row = 0;
+  int64_t col = 0;
+};
+
+// The masking and training features (jax_flashattn's keywords), read through jfa/mask.h.
+// Positions: query i of batch b is at position i + offset(b) relative to the keys, where the
+// offset is 0 (top-left alignment) or kv_len(b) - q_len(b) (bottom-right). Causal keeps keys
+// j <= i + offset; a window keeps i + offset - window_left <= j <= i + offset + window_right;
+// ALiBi adds -slope * |i + offset - j|.
+struct MaskParams {
+  bool bottom_right = false;
+  int64_t window_left = -1;   // -1: unbounded on that side
+  int64_t window_right = -1;
+
+  // Valid lengths (padding at the end), int32 [B]; null: T and S. Values are clamped to [0, T|S].
+  const int32_t* q_lengths = nullptr;
+  const int32_t* kv_lengths = nullptr;
+
+  // Packed sequences: query i sees key j only if q_segment_ids[b, i] == kv_segment_ids[b, j].
+  // int32 [B, T] and [B, S], packed (null: no segments).
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
+
+  // Boolean mask (1 byte per element, nonzero = attend), broadcast to [B, N, T, S] by strides.
+  const uint8_t* mask = nullptr;
+  Strides4 mask_strides;
+
+  // Score modifiers, in order: logits = softcap * tanh(scale * q.k / softcap) (softcap > 0 only),
+  // then + bias[b, n, i, j] (float32, broadcast by strides) + ALiBi.
+  float softcap = 0.f;
+  const float* bias = nullptr;
+  Strides4 bias_strides;
+  const float* alibi_slopes = nullptr;  // float32 [B or 1, N]
+  int64_t alibi_batch_stride = 0;       // 0 when the slopes are shared by the batch
+
+  // Backward output: d(bias) in bias's own (broadcast) shape [bias_dims], packed, float32;
+  // the gradient of every broadcast axis summed.
+  float* dbias = nullptr;
+  int64_t bias_dims[4] = {0, 0, 0, 0};
+
+  // Dropout on the probabilities: element (b, n, i, j) is dropped when
+  // dropout_word(seed[b].k0, seed[b].k1, seed[b].batch, n, i, j) < dropout_threshold(rate);
+  // kept ones are scaled by 1 / (1 - rate). dropout_seeds: uint32 [B, 3] = (k0, k1, batch).
+  float dropout_rate = 0.f;
+  const uint32_t* dropout_seeds = nullptr;
+
+  JFA_HOST_DEVICE bool has_score_mod() const {
+    return softcap > 0.f || bias != nullptr || alibi_slopes != nullptr;
+  }
+  JFA_HOST_DEVICE bool has_dropout() const { return dropout_rate > 0.f; }
+  // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
+  JFA_HOST_DEVICE bool has_element_mask() const { return mask != nullptr; }
+};
+
 struct AttentionParams {
   // Shapes.
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0, Hv = 0;
@@ -55,8 +110,13 @@ struct AttentionParams {
   float scale = 1.f;
   float scale_log2 = 1.4426950408889634f;
 
-  // Masking. Causal uses jax.nn's top-left alignment: query i sees keys j <= i.
+  // Masking. Causal uses jax.nn's top-left alignment: query i sees keys j <= i, unless
+  // mask.bottom_right (then j <= i + offset, see jfa/mask.h).
   bool is_causal = false;
+
+  // Everything beyond plain/causal attention: masks as per-tile policies and per-element
+  // predicates, score modifiers, dropout (jfa/mask.h, jfa/philox.h). Defaults change nothing.
+  MaskParams mask;
 
   // Forward inputs and outputs.
   const void* q = nullptr;

@@ -1,0 +1,128 @@
+// Decoding the masking and training operands of the CPU handlers into AttentionParams::mask.
+//
+// Every optional operand is an FFI buffer; a rank-0 buffer means "absent" (the lowering passes a
+// scalar placeholder), so one handler signature serves every combination. Each present operand is
+// checked against the attention shapes and named in the error.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "ffi/decode.h"
+#include "jfa/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jfa::ffi_decode {
+
+// The optional operands, in the handlers' order.
+struct MaskOperands {
+  ffi::AnyBuffer bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
+      dropout_seeds;
+};
+
+// The scalar attributes that go with them.
+struct MaskAttrs {
+  int32_t bottom_right;
+  int64_t window_left, window_right;  // -1: unbounded
+  float softcap;                      // 0: off
+  float dropout_rate;                 // 0: off
+};
+
+inline bool present(const ffi::AnyBuffer& b) { return b.dimensions().size() != 0; }
+
+// `buf` of rank 4 whose dims are 1 or the matching dim of [B, N, T, S]; returns broadcast strides.
+inline ffi::Error broadcast_bnts(const ffi::AnyBuffer& buf, const char* name, ffi::DataType type,
+                                 const char* type_name, const AttentionParams& p, Strides4* st) {
+  auto d = buf.dimensions();
+  const int64_t full[4] = {p.B, p.N, p.T, p.S};
+  bool ok = d.size() == 4 && buf.element_type() == type;
+  for (size_t a = 0; ok && a < 4; ++a) ok = d[a] == 1 || d[a] == full[a];
+  if (!ok)
+    return invalid(std::string(name) + " must be " + type_name + " of rank 4 broadcastable to [B, N, T, S] = (" +
+                   std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " + std::to_string(full[2]) +
+                   ", " + std::to_string(full[3]) + "), got " + shape_str(d));
+  // Packed strides of the small array, with 0 on broadcast axes.
+  const int64_t col = 1, row = d[3], head = d[2] * d[3], batch = d[1] * d[2] * d[3];
+  *st = Strides4{d[0] == 1 ? 0 : batch, d[1] == 1 ? 0 : head, d[2] == 1 ? 0 : row, d[3] == 1 ? 0 : col};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, AttentionParams* p) {
+  MaskParams& m = p->mask;
+  m.bottom_right = a.bottom_right != 0;
+  if (a.window_left < -1 || a.window_right < -1)
+    return invalid("local_window_size must be >= 0 on each side, got (" + std::to_string(a.window_left) +
+                   ", " + std::to_string(a.window_right) + ")");
+  m.window_left = a.window_left;
+  m.window_right = a.window_right;
+  if (!(a.softcap >= 0.f) || !std::isfinite(a.softcap))
+    return invalid("softcap must be a positive finite float, got " + std::to_string(a.softcap));
+  m.softcap = a.softcap;
+  if (!(a.dropout_rate >= 0.f && a.dropout_rate < 1.f))
+    return invalid("dropout_rate must be in [0, 1), got " + std::to_string(a.dropout_rate));
+  m.dropout_rate = a.dropout_rate;
+
+  if (present(x.bias)) {
+    if (auto e = broadcast_bnts(x.bias, "bias", ffi::DataType::F32, "float32", *p, &m.bias_strides); e.failure())
+      return e;
+    m.bias = static_cast<const float*>(x.bias.untyped_data());
+    for (int i = 0; i < 4; ++i) m.bias_dims[i] = x.bias.dimensions()[i];
+  }
+  if (present(x.mask)) {
+    if (auto e = broadcast_bnts(x.mask, "mask", ffi::DataType::PRED, "bool", *p, &m.mask_strides); e.failure())
+      return e;
+    m.mask = static_cast<const uint8_t*>(x.mask.untyped_data());
+  }
+  if (present(x.q_lengths)) {
+    if (auto e = expect(x.q_lengths, "query_seq_lengths", {p->B}, ffi::DataType::S32); e.failure()) return e;
+    m.q_lengths = static_cast<const int32_t*>(x.q_lengths.untyped_data());
+  }
+  if (present(x.kv_lengths)) {
+    if (auto e = expect(x.kv_lengths, "key_value_seq_lengths", {p->B}, ffi::DataType::S32); e.failure()) return e;
+    m.kv_lengths = static_cast<const int32_t*>(x.kv_lengths.untyped_data());
+  }
+  if (present(x.q_segment_ids) != present(x.kv_segment_ids))
+    return invalid("q_segment_ids and kv_segment_ids must be given together");
+  if (present(x.q_segment_ids)) {
+    if (auto e = expect(x.q_segment_ids, "q_segment_ids", {p->B, p->T}, ffi::DataType::S32); e.failure())
+      return e;
+    if (auto e = expect(x.kv_segment_ids, "kv_segment_ids", {p->B, p->S}, ffi::DataType::S32); e.failure())
+      return e;
+    m.q_segment_ids = static_cast<const int32_t*>(x.q_segment_ids.untyped_data());
+    m.kv_segment_ids = static_cast<const int32_t*>(x.kv_segment_ids.untyped_data());
+  }
+  if (present(x.alibi_slopes)) {
+    auto d = x.alibi_slopes.dimensions();
+    if (d.size() != 2 || (d[0] != 1 && d[0] != p->B) || d[1] != p->N ||
+        x.alibi_slopes.element_type() != ffi::DataType::F32)
+      return invalid("alibi_slopes must be float32 [1 or B, N] with B=" + std::to_string(p->B) +
+                     ", N=" + std::to_string(p->N) + ", got " + shape_str(d));
+    m.alibi_slopes = static_cast<const float*>(x.alibi_slopes.untyped_data());
+    m.alibi_batch_stride = d[0] == 1 ? 0 : p->N;
+  }
+  if (m.dropout_rate > 0.f && !present(x.dropout_seeds))
+    return invalid("dropout_rate > 0 needs dropout seeds (a dropout_rng key)");
+  if (present(x.dropout_seeds)) {
+    if (auto e = expect(x.dropout_seeds, "dropout seeds", {p->B, 3}, ffi::DataType::U32); e.failure()) return e;
+    m.dropout_seeds = static_cast<const uint32_t*>(x.dropout_seeds.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// The d(bias) output: float32 in the bias's shape, or a rank-0 placeholder without a bias.
+inline ffi::Error decode_dbias(ffi::AnyBuffer dbias, AttentionParams* p) {
+  const MaskParams& m = p->mask;
+  if (m.bias == nullptr) {
+    if (present(dbias)) return invalid("dbias output given without a bias");
+    return ffi::Error::Success();
+  }
+  if (auto e = expect(dbias, "dbias", {m.bias_dims[0], m.bias_dims[1], m.bias_dims[2], m.bias_dims[3]},
+                      ffi::DataType::F32);
+      e.failure())
+    return e;
+  p->mask.dbias = static_cast<float*>(dbias.untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace jfa::ffi_decode

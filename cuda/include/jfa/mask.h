@@ -1,0 +1,118 @@
+// Masks as policies, shared by the CPU and (later) the CUDA kernels.
+//
+// Two levels, as in CUTLASS's and FlashAttention's mask policies:
+//   * per tile: the key range a block of query rows may see (the trip count of the key loop) and
+//     a classification of each (query block, key block) tile as skip / full / partial, so whole
+//     tiles outside the causal triangle, the window band, the valid lengths or the segments are
+//     never computed, and full tiles skip the per-element work;
+//   * per element, on partial tiles only: visible(b, n, i, j).
+// Score modifiers (softcap, bias, ALiBi) apply to every computed tile; see score_mod.h.
+#pragma once
+
+#include <cstdint>
+
+#include "jfa/host_device.h"
+#include "jfa/params.h"
+
+namespace jfa {
+
+// Per batch element: valid lengths and the offset that aligns query positions with key positions.
+struct SequenceBounds {
+  int64_t q_len;
+  int64_t kv_len;
+  int64_t offset;  // query i sits at key position i + offset
+};
+
+JFA_HOST_DEVICE int64_t clamp_length(const int32_t* lengths, int64_t b, int64_t full) {
+  if (lengths == nullptr) return full;
+  const int64_t n = lengths[b];
+  return n < 0 ? 0 : (n > full ? full : n);
+}
+
+JFA_HOST_DEVICE SequenceBounds sequence_bounds(const AttentionParams& p, int64_t b) {
+  SequenceBounds s;
+  s.q_len = clamp_length(p.mask.q_lengths, b, p.T);
+  s.kv_len = clamp_length(p.mask.kv_lengths, b, p.S);
+  s.offset = p.mask.bottom_right ? s.kv_len - s.q_len : 0;
+  return s;
+}
+
+// Keys [key_lo, key_hi) that query row i may see by position (causal, window, kv length); the
+// bounds are non-decreasing in i, so a block's range is [key_lo(first row), key_hi(last row)).
+JFA_HOST_DEVICE int64_t key_lo(const AttentionParams& p, const SequenceBounds& s, int64_t i) {
+  int64_t lo = 0;
+  if (p.mask.window_left >= 0) {
+    const int64_t w = i + s.offset - p.mask.window_left;
+    lo = w > lo ? w : lo;
+  }
+  return lo;
+}
+
+JFA_HOST_DEVICE int64_t key_hi(const AttentionParams& p, const SequenceBounds& s, int64_t i) {
+  int64_t hi = s.kv_len;
+  if (p.is_causal) {
+    const int64_t c = i + s.offset + 1;
+    hi = c < hi ? c : hi;
+  }
+  if (p.mask.window_right >= 0) {
+    const int64_t w = i + s.offset + p.mask.window_right + 1;
+    hi = w < hi ? w : hi;
+  }
+  return hi;
+}
+
+// Keys [begin, end) that any query of rows [i0, i0 + rows) may see by position; empty if no row
+// is valid.
+struct KeyRange {
+  int64_t begin;
+  int64_t end;
+};
+
+JFA_HOST_DEVICE KeyRange key_range(const AttentionParams& p, const SequenceBounds& s, int64_t i0,
+                                   int64_t rows) {
+  const int64_t last = (i0 + rows < s.q_len ? i0 + rows : s.q_len) - 1;
+  if (last < i0) return KeyRange{0, 0};
+  const int64_t lo = key_lo(p, s, i0), hi = key_hi(p, s, last);
+  return KeyRange{lo, hi > lo ? hi : lo};
+}
+
+enum class TileKind { kSkip, kFull, kPartial };
+
+// Classifies tile rows [i0, i0 + rows) x keys [j0, j0 + cols) by position. Segment ids and the
+// boolean mask are data; callers refine kFull/kPartial with them (segment_tile_kind below).
+JFA_HOST_DEVICE TileKind position_tile_kind(const AttentionParams& p, const SequenceBounds& s,
+                                            int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+  const KeyRange r = key_range(p, s, i0, rows);
+  if (r.end <= j0 || r.begin >= j0 + cols) return TileKind::kSkip;
+  const int64_t last = i0 + rows - 1;
+  const bool full = last < s.q_len && j0 + cols <= s.kv_len && key_lo(p, s, last) <= j0 &&
+                    key_hi(p, s, i0) >= j0 + cols;
+  return full ? TileKind::kFull : TileKind::kPartial;
+}
+
+// Refines a tile's kind with segment ids, given the min/max id of its valid queries and keys:
+// disjoint ranges share no id (skip); one id on both sides keeps the tile full.
+JFA_HOST_DEVICE TileKind segment_tile_kind(TileKind kind, int32_t q_min, int32_t q_max,
+                                           int32_t k_min, int32_t k_max) {
+  if (kind == TileKind::kSkip || q_max < k_min || k_max < q_min) return TileKind::kSkip;
+  if (kind == TileKind::kFull && !(q_min == q_max && k_min == k_max && q_min == k_min))
+    return TileKind::kPartial;
+  return kind;
+}
+
+// Whether query i (head n) of batch b sees key j: the per-element predicate of partial tiles.
+JFA_HOST_DEVICE bool visible(const AttentionParams& p, const SequenceBounds& s, int64_t b,
+                             int64_t n, int64_t i, int64_t j) {
+  if (i >= s.q_len || j < key_lo(p, s, i) || j >= key_hi(p, s, i)) return false;
+  const MaskParams& m = p.mask;
+  if (m.q_segment_ids != nullptr &&
+      m.q_segment_ids[b * p.T + i] != m.kv_segment_ids[b * p.S + j])
+    return false;
+  if (m.mask != nullptr) {
+    const Strides4& st = m.mask_strides;
+    if (m.mask[b * st.batch + n * st.head + i * st.row + j * st.col] == 0) return false;
+  }
+  return true;
+}
+
+}  // namespace jfa

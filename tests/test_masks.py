@@ -1,0 +1,148 @@
+"""Position masks and score modifiers of flash_attention against the float32 reference, forward
+and gradients: lengths, local windows, causal alignment, segment ids, softcap, ALiBi — each
+alone and in combination, at tile-aligned and odd sizes (tiles are 64 x 64)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn as jfa
+from util import compare_with_reference, fresh_seed, random_qkv
+
+SHAPES = {
+    "odd": (2, 17, 33, 4, 2, 32),
+    "tiles": (2, 130, 100, 2, 1, 64),   # several tiles each way, partial last tiles
+    "wide": (1, 40, 200, 2, 2, 16),     # S >> T: bottom-right alignment matters
+    "one": (2, 1, 17, 2, 1, 16),        # a single query
+}
+
+
+def _lengths(seed, B, full, low=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(low, full + 1, size=B), jnp.int32)
+
+
+def _segments(seed, B, L, count):
+    """Sorted (packed) segment ids with random boundaries."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, L + 1, size=(B, count - 1)), axis=1)
+    ids = (np.arange(L)[None, None, :] >= cuts[:, :, None]).sum(1)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _keywords(name, seed, B, T, S, N):
+    """One feature's keywords for a problem of that size."""
+    return {
+        "causal": dict(is_causal=True),
+        "q_lengths": dict(query_seq_lengths=_lengths(seed, B, T)),
+        "kv_lengths": dict(key_value_seq_lengths=_lengths(seed + 1, B, S)),
+        "window": dict(local_window_size=(9, 4)),
+        "window_int": dict(local_window_size=3),
+        "causal_window": dict(is_causal=True, local_window_size=(20, 0)),
+        "bottom_right": dict(is_causal=True, causal_alignment="bottom_right"),
+        "bottom_right_window": dict(causal_alignment="bottom_right", local_window_size=(5, 5)),
+        "segments": dict(q_segment_ids=_segments(seed, B, T, 3),
+                         kv_segment_ids=_segments(seed + 1, B, S, 3)),
+        "softcap": dict(softcap=2.0),
+        "alibi": dict(alibi_slopes=jnp.asarray(np.random.default_rng(seed).uniform(0.01, 0.5, N),
+                                               jnp.float32)),
+        "alibi_per_batch": dict(alibi_slopes=jnp.asarray(
+            np.random.default_rng(seed).uniform(0.01, 0.5, (B, N)), jnp.float32), is_causal=True),
+    }[name]
+
+
+FEATURES = ["causal", "q_lengths", "kv_lengths", "window", "window_int", "causal_window",
+            "bottom_right", "bottom_right_window", "segments", "softcap", "alibi",
+            "alibi_per_batch"]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("shape", ["odd", "tiles"])
+def test_feature_alone(feature, shape):
+    seed = fresh_seed()
+    B, T, S, N, K, H = SHAPES[shape]
+    compare_with_reference(seed, SHAPES[shape], _keywords(feature, seed, B, T, S, N))
+
+
+COMBOS = [
+    ("causal", "q_lengths", "kv_lengths", "bottom_right"),
+    ("causal_window", "segments", "softcap"),
+    ("bottom_right_window", "alibi", "kv_lengths"),
+    ("window", "segments", "q_lengths", "alibi_per_batch", "softcap"),
+]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
+@pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one"])
+def test_features_combined(combo, shape):
+    seed = fresh_seed()
+    B, T, S, N, K, H = SHAPES[shape]
+    kw = {}
+    for i, name in enumerate(combo):
+        kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
+    compare_with_reference(seed, SHAPES[shape], kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_combined_low_precision(dtype):
+    seed = fresh_seed()
+    B, T, S, N, K, H = SHAPES["tiles"]
+    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(40, 0),
+              softcap=5.0, key_value_seq_lengths=_lengths(seed, B, S, low=1),
+              alibi_slopes=jnp.full((N,), 0.05, jnp.float32))
+    compare_with_reference(seed, SHAPES["tiles"], kw, dtype=dtype)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+    """Query rows past their length, and rows whose window holds no key, give 0 / -inf / 0."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 20, 12, 2, 1, 16
+    kw = dict(query_seq_lengths=jnp.array([7, 0], jnp.int32), local_window_size=(0, 30),
+              causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([12, 5], jnp.int32))
+    out, lse, grads = compare_with_reference(seed, (B, T, S, N, K, H), kw)
+    assert np.all(np.isneginf(np.asarray(lse[1])))
+    assert not np.any(np.asarray(grads[0][1]))  # no gradient reaches the empty batch element
+
+
+def test_window_far_from_every_key_skips_all_tiles():
+    """A window placed past the keys leaves nothing: every tile is skipped, rows are empty."""
+    q, k, v = random_qkv(fresh_seed(), 1, 70, 70, 2, 2, 16)
+    out, lse = jfa.flash_attention(q, k, v, local_window_size=(0, 0), return_lse=True,
+                                   key_value_seq_lengths=jnp.array([3], jnp.int32))
+    assert np.all(np.isneginf(np.asarray(lse[0, 3:])))
+    assert np.all(np.isfinite(np.asarray(lse[0, :3])))
+    assert not np.any(np.asarray(out[0, 3:]))
+
+
+def test_segments_equal_block_diagonal_attention():
+    """Two packed sequences give exactly what attending to each one separately gives."""
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, 1, 50, 50, 2, 2, 16)
+    ids = jnp.asarray([[0] * 23 + [1] * 27], jnp.int32)
+    packed = jfa.flash_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, is_causal=True)
+    first = jfa.flash_attention(q[:, :23], k[:, :23], v[:, :23], is_causal=True)
+    second = jfa.flash_attention(q[:, 23:], k[:, 23:], v[:, 23:], is_causal=True)
+    np.testing.assert_allclose(packed, jnp.concatenate([first, second], 1), rtol=1e-5, atol=1e-6)
+
+
+def test_masks_under_vmap_and_unbatched():
+    """Per-example operands fold with vmap; unbatched calls take them without the batch axis."""
+    seed = fresh_seed()
+    V, T, S, N, K, H = 3, 21, 30, 2, 1, 16
+    q, k, v = random_qkv(seed, V, T, S, N, K, H)
+    lengths = _lengths(seed, V, S, low=1)
+    seg_q, seg_k = _segments(seed, V, T, 2), _segments(seed + 1, V, S, 2)
+
+    def one(q, k, v, n, sq, sk):
+        return jfa.flash_attention(q, k, v, key_value_seq_lengths=n, q_segment_ids=sq,
+                                   kv_segment_ids=sk, is_causal=True,
+                                   causal_alignment="bottom_right")
+
+    mapped = jax.vmap(one)(q, k, v, lengths, seg_q, seg_k)
+    batched = jfa.flash_attention(q, k, v, key_value_seq_lengths=lengths, q_segment_ids=seg_q,
+                                  kv_segment_ids=seg_k, is_causal=True,
+                                  causal_alignment="bottom_right")
+    np.testing.assert_allclose(mapped, batched, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(one(q[1], k[1], v[1], lengths[1], seg_q[1], seg_k[1])),
+                                  np.asarray(batched[1]))
