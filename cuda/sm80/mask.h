@@ -1,10 +1,15 @@
-// Masks of the sm80 kernels: key positions past S, and causal (top-left: query i sees keys j <= i).
-// Callers apply them only on boundary/diagonal tiles; interior tiles skip this code entirely.
+// Masks of the sm80 kernels. The plain path: key positions past S, and causal (top-left: query i
+// sees keys j <= i), applied only on boundary/diagonal tiles. The general path: see below.
 #pragma once
 
 #include <cmath>
 
 #include <cute/tensor.hpp>
+
+#include "jfa/mask.h"
+#include "jfa/params.h"
+#include "jfa/philox.h"
+#include "jfa/score_mod.h"
 
 namespace jfa::sm80 {
 
@@ -26,6 +31,64 @@ __forceinline__ __device__ void apply_mask(Scores& scores, Coords const& coords,
     const int col = n0 + get<1>(coords(i));
     if (col >= S || (kCausal && col > row)) scores(i) = -INFINITY;
   }
+}
+
+}  // namespace jfa::sm80
+
+// ---------------------------------------------------------------------------------------------
+// The general path (kGeneral kernels, taken when p.mask.active()): every masking feature of
+// jax_flashattn through the shared policies of jfa/mask.h, jfa/score_mod.h and jfa/philox.h.
+//   * per tile: the key range of a query block (forward) or the query range of a key block
+//     (backward) is the trip count, so tiles outside it never run; a tile inside it is "partial"
+//     unless position_tile_kind proves it full and no data-dependent mask (segment ids, boolean
+//     mask) exists. (Segment ids do not skip tiles on the GPU yet: every tile with segments is
+//     partial, which is correct but pays the predicate.)
+//   * per element: visible() on partial tiles only, then the score modifiers; logits leave in
+//     log2 units (the plain path folds scale_log2 into the softmax instead).
+namespace jfa::sm80 {
+
+// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile needs the per-element predicate.
+__forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, const SequenceBounds& s, int m0,
+                                                     int bm, int n0, int bn) {
+  return position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull || p.mask.q_segment_ids != nullptr ||
+         p.mask.mask != nullptr;
+}
+
+// Final logit (log2 units) of query i, key j, head n of batch b from the raw q·k; -inf if hidden.
+// grad (may be null) receives d(final)/d(raw · scale_log2): 1 - tanh² with soft-capping, else 1
+// (0 when hidden).
+__forceinline__ __device__ float general_logit(const AttentionParams& p, const SequenceBounds& s, int64_t b,
+                                               int64_t n, int i, int j, float raw, bool partial, float* grad) {
+  if (partial && !visible(p, s, b, n, i, j)) {
+    if (grad != nullptr) *grad = 0.f;
+    return -INFINITY;
+  }
+  const float x = raw * p.scale_log2;
+  if (!p.mask.has_score_mod()) {
+    if (grad != nullptr) *grad = 1.f;
+    return x;
+  }
+  return modify_score(p, s, b, n, i, j, x, grad);
+}
+
+// Dropout of one batch element: the Philox key and stream coordinate, and the keep scale.
+struct DropoutStream {
+  uint32_t k0, k1, batch, threshold;
+  float keep_scale;
+};
+
+__forceinline__ __device__ DropoutStream dropout_stream(const AttentionParams& p, int64_t b) {
+  const uint32_t* seed = p.mask.dropout_seeds + 3 * b;
+  return DropoutStream{seed[0], seed[1], seed[2], dropout_threshold(p.mask.dropout_rate),
+                       1.f / (1.f - p.mask.dropout_rate)};
+}
+
+// Multipliers (0 if dropped, else 1 / (1 - rate)) of keys j and j + 1 (j even) of query i, head n:
+// one Philox call covers both (the counter is key / 4), the same words jfa::dropout_word gives.
+__forceinline__ __device__ float2 dropout_pair(const DropoutStream& d, int n, int i, int j) {
+  const Philox4 r = philox4x32_10(Philox4{{uint32_t(j) >> 2, uint32_t(i), uint32_t(n), d.batch}}, d.k0, d.k1);
+  const uint32_t w0 = r.x[uint32_t(j) & 3u], w1 = r.x[uint32_t(j + 1) & 3u];
+  return make_float2(w0 < d.threshold ? 0.f : d.keep_scale, w1 < d.threshold ? 0.f : d.keep_scale);
 }
 
 }  // namespace jfa::sm80
