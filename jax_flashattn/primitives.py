@@ -48,7 +48,7 @@ def _ffi_attrs(scale, is_causal):
     return dict(scale=np.float32(scale), is_causal=np.int32(bool(is_causal)))
 
 
-def _cpu_ffi_attrs(scale, config):
+def _mask_ffi_attrs(scale, config):
     return dict(_ffi_attrs(scale, config.is_causal), bottom_right=np.int32(config.bottom_right),
                 window_left=np.int64(config.window_left), window_right=np.int64(config.window_right),
                 softcap=np.float32(config.softcap), dropout_rate=np.float32(config.dropout_rate))
@@ -72,7 +72,7 @@ def _cpu_lowering(target):
 
     def rule(ctx, *args, scale, config, implementation):
         _require("cpu", implementation)
-        return lowered(ctx, *args, **_cpu_ffi_attrs(scale, config))
+        return lowered(ctx, *args, **_mask_ffi_attrs(scale, config))
     return rule
 
 
@@ -121,7 +121,7 @@ def _cuda_forward(q, k, v, *extras, scale, config):
     o, lse = jax.ffi.ffi_call(
         _ext.FORWARD_TARGET,
         (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
-    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, **_cpu_ffi_attrs(scale, config))
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse
 
 
@@ -137,7 +137,7 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     dq, dk, dv, dbias, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, *extras, **_cpu_ffi_attrs(scale, config))
+        *padded, lse, _pad_last(do, Hp), dlse, *extras, **_mask_ffi_attrs(scale, config))
     return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias
 
 

@@ -332,11 +332,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
         const bool partial = general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN);
         const bool dropout = p.mask.has_dropout();
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
-        float* dbias = p.mask.dbias;
-        const Strides4 bst = p.mask.bias_strides;
         CUTE_UNROLL
         for (int mi = 0; mi < kNRows; ++mi) {
           const int row = cur.m0 + get<0>(tScS_rc(mi, 0));
+          const RowPolicy rp = row_policy(p, bounds, batch, cur.head, row);
+          // d(bias) has the bias's (broadcast) strides: its row starts where the bias row does.
+          float* dbias_row = p.mask.dbias != nullptr ? p.mask.dbias + (rp.bias - p.mask.bias) : nullptr;
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ni += 2) {
             const int col = n0 + get<1>(tScS_rc(mi, ni));  // col + 1 is element ni + 1
@@ -344,15 +345,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
             CUTE_UNROLL
             for (int e = 0; e < 2; ++e) {
               float g;
-              const float x = general_logit(p, bounds, batch, cur.head, row, col + e, scores(mi, ni + e), partial, &g);
+              const float x = row_logit(p, rp, col + e, scores(mi, ni + e), partial, &g);
               const float prob = exp2f(x - lse_log2[mi]);  // 0 if hidden or the row is empty
               const float ze = e == 0 ? z.x : z.y;
               // d(logit) = P∘(dP·z − D): dropout scales dP, and dV sees the dropped P·z.
               const float ds = prob * (dS(mi, ni + e) * ze - dsum[mi]);
-              if (dbias != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative
-                atomicAdd(dbias + batch * bst.batch + cur.head * bst.head + int64_t(row) * bst.row +
-                              int64_t(col + e) * bst.col,
-                          ds);
+              if (dbias_row != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative
+                atomicAdd(dbias_row + (col + e) * rp.bias_col, ds);
               scores(mi, ni + e) = prob * ze;
               dS(mi, ni + e) = ds * g;
             }

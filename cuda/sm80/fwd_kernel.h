@@ -133,9 +133,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
       // Logits in log2 units (scale, soft-capping, bias, ALiBi); hidden ones -inf.
       const bool partial = general_tile_partial(p, bounds, m0, kBlockM, n0, kBlockN);
       CUTE_UNROLL
-      for (int i = 0; i < size(scores); ++i)
-        scores(i) = general_logit(p, bounds, batch, head, m0 + get<0>(tScS_rc(i)), n0 + get<1>(tScS_rc(i)),
-                                  scores(i), partial, nullptr);
+      for (int mi = 0; mi < size<0>(scores); ++mi) {
+        const RowPolicy row = row_policy(p, bounds, batch, head, m0 + get<0>(tScS_rc(mi, 0)));
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(scores); ++ni)
+          scores(mi, ni) = row_logit(p, row, n0 + get<1>(tScS_rc(mi, ni)), scores(mi, ni), partial, nullptr);
+      }
     } else {
       if (tile_needs_mask<kCausal>(m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, m0, n0, S);
     }

@@ -54,21 +54,79 @@ __forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, c
          p.mask.mask != nullptr;
 }
 
-// Final logit (log2 units) of query i, key j, head n of batch b from the raw q·k; -inf if hidden.
-// grad (may be null) receives d(final)/d(raw · scale_log2): 1 - tanh² with soft-capping, else 1
-// (0 when hidden).
-__forceinline__ __device__ float general_logit(const AttentionParams& p, const SequenceBounds& s, int64_t b,
-                                               int64_t n, int i, int j, float raw, bool partial, float* grad) {
-  if (partial && !visible(p, s, b, n, i, j)) {
+// jfa::visible and jfa::modify_score for one query row, with what depends only on the row
+// (position bounds from jfa::key_lo / key_hi, the segment id, row pointers into the mask and the
+// bias, the ALiBi slope) computed once, in 32-bit where it fits: the per-element work of a thread's
+// rows stays a few compares and loads. Same semantics as the shared functions (tests/cuda/
+// sm80_check.cu compares against a reference that calls jfa::visible itself).
+struct RowPolicy {
+  int lo, hi;       // keys [lo, hi) visible by position; empty past the valid query length
+  int seg;          // the row's segment id (with segment ids)
+  int pos;          // i + offset: the row's key-aligned position (ALiBi)
+  float slope;      // ALiBi slope (0 without)
+  const int32_t* kv_seg;  // this batch element's kv segment ids, or null
+  const uint8_t* mask;    // the row of the boolean mask, or null
+  const float* bias;      // the row of the bias, or null
+  int64_t mask_col, bias_col;
+};
+
+__forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const SequenceBounds& s, int64_t b,
+                                                int64_t n, int i) {
+  const MaskParams& m = p.mask;
+  RowPolicy r;
+  const bool valid = i < s.q_len;
+  r.lo = valid ? int(key_lo(p, s, i)) : 0;
+  r.hi = valid ? int(key_hi(p, s, i)) : 0;
+  r.pos = int(i + s.offset);
+  r.kv_seg = m.q_segment_ids != nullptr ? m.kv_segment_ids + b * p.S : nullptr;
+  r.seg = m.q_segment_ids != nullptr && valid ? m.q_segment_ids[b * p.T + i] : 0;
+  r.mask = m.mask != nullptr ? m.mask + b * m.mask_strides.batch + n * m.mask_strides.head +
+                                   int64_t(i) * m.mask_strides.row
+                             : nullptr;
+  r.mask_col = m.mask_strides.col;
+  r.bias = m.bias != nullptr ? m.bias + b * m.bias_strides.batch + n * m.bias_strides.head +
+                                   int64_t(i) * m.bias_strides.row
+                             : nullptr;
+  r.bias_col = m.bias_strides.col;
+  r.slope = m.alibi_slopes != nullptr ? m.alibi_slopes[b * m.alibi_batch_stride + n] : 0.f;
+  return r;
+}
+
+// jfa::visible(p, s, b, n, i, j) for the row of r (rows past T are outside [lo, hi) too).
+__forceinline__ __device__ bool row_visible(const RowPolicy& r, int j) {
+  if (j < r.lo || j >= r.hi) return false;
+  if (r.kv_seg != nullptr && r.kv_seg[j] != r.seg) return false;
+  if (r.mask != nullptr && r.mask[j * r.mask_col] == 0) return false;
+  return true;
+}
+
+// Final logit (log2 units) of key j from the raw q·k; -inf if hidden (checked on partial tiles
+// only). grad (may be null) receives d(final)/d(raw · scale_log2): 1 - tanh² with soft-capping,
+// else 1 (0 when hidden). The arithmetic of jfa::modify_score / additive_bias, in its order.
+__forceinline__ __device__ float row_logit(const AttentionParams& p, const RowPolicy& r, int j, float raw,
+                                           bool partial, float* grad) {
+  if (partial && !row_visible(r, j)) {
     if (grad != nullptr) *grad = 0.f;
     return -INFINITY;
   }
-  const float x = raw * p.scale_log2;
-  if (!p.mask.has_score_mod()) {
-    if (grad != nullptr) *grad = 1.f;
-    return x;
+  float x = raw * p.scale_log2;
+  if (grad != nullptr) *grad = 1.f;
+  if (p.mask.softcap > 0.f) {
+    const float c2 = p.mask.softcap * kLog2eF;
+    const float t = tanhf(x / c2);
+    x = c2 * t;
+    if (grad != nullptr) *grad = 1.f - t * t;
   }
-  return modify_score(p, s, b, n, i, j, x, grad);
+  if (r.bias != nullptr || p.mask.alibi_slopes != nullptr) {
+    float add = 0.f;
+    if (r.bias != nullptr) add += r.bias[j * r.bias_col];
+    if (p.mask.alibi_slopes != nullptr) {
+      const int d = r.pos - j;
+      add -= r.slope * float(d < 0 ? -d : d);
+    }
+    x += add * kLog2eF;
+  }
+  return x;
 }
 
 // Dropout of one batch element: the Philox key and stream coordinate, and the keep scale.
