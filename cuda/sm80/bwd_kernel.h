@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 // 2. The main kernel.
 // kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h),
 // causality from p.is_causal, d(bias) by atomics; the plain instantiations compile none of it.
-template <typename Traits, bool kCausal, bool kGeneral = false>
+// kDropout (with kGeneral): dropout too, a separate instantiation (the Philox stream costs registers).
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
         gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
                 smem_thr_b_sdp);
         const bool partial = general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN);
-        const bool dropout = p.mask.has_dropout();
+        constexpr bool dropout = kDropout;
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
         CUTE_UNROLL
         for (int mi = 0; mi < kNRows; ++mi) {

@@ -22,9 +22,9 @@ cudaError_t set_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <typename Traits, bool kCausal, bool kGeneral = false>
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = &fwd_kernel<Traits, kCausal, kGeneral>;
+  auto kernel = &fwd_kernel<Traits, kCausal, kGeneral, kDropout>;
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;
@@ -32,9 +32,9 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Traits, bool kCausal, bool kGeneral = false>
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Traits, kCausal, kGeneral>;
+  auto kernel = &bwd_kernel<Traits, kCausal, kGeneral, kDropout>;
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.S + Traits::kBlockN - 1) / Traits::kBlockN * p.K * p.B;
@@ -48,7 +48,9 @@ template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
   // Masks, score modifiers, dropout: the general kernel (causality from p.is_causal).
-  if (p.mask.active()) return detail::launch_fwd<Traits, false, true>(p, stream);
+  if (p.mask.active())
+    return p.mask.has_dropout() ? detail::launch_fwd<Traits, false, true, true>(p, stream)
+                                : detail::launch_fwd<Traits, false, true, false>(p, stream);
   return p.is_causal ? detail::launch_fwd<Traits, true>(p, stream) : detail::launch_fwd<Traits, false>(p, stream);
 }
 
@@ -74,9 +76,10 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
       <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  err = p.mask.active()  ? detail::launch_bwd_main<Traits, false, true>(p, stream)
-        : p.is_causal       ? detail::launch_bwd_main<Traits, true>(p, stream)
-                            : detail::launch_bwd_main<Traits, false>(p, stream);
+  err = p.mask.active() && p.mask.has_dropout() ? detail::launch_bwd_main<Traits, false, true, true>(p, stream)
+        : p.mask.active()                          ? detail::launch_bwd_main<Traits, false, true, false>(p, stream)
+        : p.is_causal                              ? detail::launch_bwd_main<Traits, true>(p, stream)
+                                                   : detail::launch_bwd_main<Traits, false>(p, stream);
   if (err != cudaSuccess) return err;
 
   const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;

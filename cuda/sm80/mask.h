@@ -67,7 +67,7 @@ struct RowPolicy {
   const int32_t* kv_seg;  // this batch element's kv segment ids, or null
   const uint8_t* mask;    // the row of the boolean mask, or null
   const float* bias;      // the row of the bias, or null
-  int64_t mask_col, bias_col;
+  int mask_col, bias_col;  // column strides: 1, or 0 on a broadcast key axis (packed operands)
 };
 
 __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const SequenceBounds& s, int64_t b,
@@ -83,11 +83,11 @@ __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const 
   r.mask = m.mask != nullptr ? m.mask + b * m.mask_strides.batch + n * m.mask_strides.head +
                                    int64_t(i) * m.mask_strides.row
                              : nullptr;
-  r.mask_col = m.mask_strides.col;
+  r.mask_col = int(m.mask_strides.col);
   r.bias = m.bias != nullptr ? m.bias + b * m.bias_strides.batch + n * m.bias_strides.head +
                                    int64_t(i) * m.bias_strides.row
                              : nullptr;
-  r.bias_col = m.bias_strides.col;
+  r.bias_col = int(m.bias_strides.col);
   r.slope = m.alibi_slopes != nullptr ? m.alibi_slopes[b * m.alibi_batch_stride + n] : 0.f;
   return r;
 }
