@@ -48,7 +48,7 @@ def _ffi_attrs(scale, is_causal):
     return dict(scale=np.float32(scale), is_causal=np.int32(bool(is_causal)))
 
 
-def _cpu_ffi_attrs(scale, config):
+def _mask_ffi_attrs(scale, config):
     return dict(_ffi_attrs(scale, config.is_causal), bottom_right=np.int32(config.bottom_right),
                 window_left=np.int64(config.window_left), window_right=np.int64(config.window_right),
                 softcap=np.float32(config.softcap), dropout_rate=np.float32(config.dropout_rate))
@@ -64,14 +64,15 @@ def _require(platform: str, implementation):
 
 # ---- CPU -----------------------------------------------------------------------------------------
 
-# The CPU handlers take every extra operand (rank-0 placeholders included) and config's attributes.
+# The CPU handlers take every extra operand (rank-0 placeholders included) and config's attributes;
+# the CUDA handlers take the same ones in the same order (plus their workspace results).
 
 def _cpu_lowering(target):
     lowered = jax.ffi.ffi_lowering(target)
 
     def rule(ctx, *args, scale, config, implementation):
         _require("cpu", implementation)
-        return lowered(ctx, *args, **_cpu_ffi_attrs(scale, config))
+        return lowered(ctx, *args, **_mask_ffi_attrs(scale, config))
     return rule
 
 
@@ -114,55 +115,50 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _cuda_forward(q, k, v, *, scale, is_causal):
+def _cuda_forward(q, k, v, *extras, scale, config):
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
     o, lse = jax.ffi.ffi_call(
         _ext.FORWARD_TARGET,
         (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
-    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), **_ffi_attrs(scale, is_causal))
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse
 
 
-def _cuda_backward(q, k, v, o, lse, do, dlse, *, scale, is_causal):
+def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
     padded = [_pad_last(x, Hp) for x in (q, k, v, o)]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
+    # d(bias): float32 in the bias's shape (a rank-0 placeholder without a bias), as on the CPU.
+    shapes.append(jax.ShapeDtypeStruct(extras[0].shape, jnp.float32))
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
     # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
     shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
-    dq, dk, dv, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, **_ffi_attrs(scale, is_causal))
-    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
+    dq, dk, dv, dbias, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
+        *padded, lse, _pad_last(do, Hp), dlse, *extras, **_mask_ffi_attrs(scale, config))
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias
 
 
-def _check_cuda_features(config, extras_avals):
-    """The CUDA kernels have no masks/bias/dropout yet: say which keyword, never ignore it."""
-    used = config.nondefault_keywords() + [
-        name for name, aval in zip(Extras._fields, extras_avals) if aval.ndim > 0]
-    if used:
+def _check_cuda_features(config):
+    """Every masking keyword runs on the CUDA kernels except deterministic=True: their dQ is
+    accumulated with atomics (run on the CPU for bitwise reproducible gradients)."""
+    if config.deterministic:
         raise NotImplementedError(
-            f"jax_flashattn: {', '.join(used)} {'is' if len(used) == 1 else 'are'} not supported by "
-            "the CUDA kernels yet (CPU only for now); run on the CPU or use jax.nn.dot_product_attention")
+            "jax_flashattn: deterministic=True is not supported by the CUDA kernels (their dQ and "
+            "d(bias) are accumulated with float atomics); run on the CPU or leave it False")
 
 
-def _cuda_lowering(fn, num_tensors):
-    def without_extras(*args, scale, is_causal):
-        outs = fn(*args[:num_tensors], scale=scale, is_causal=is_causal)
-        if fn is _cuda_backward:  # the dbias placeholder (no bias reaches this point)
-            outs = (*outs, jnp.zeros((), jnp.float32))
-        return outs
-
-    lowered = mlir.lower_fun(without_extras, multiple_results=True)
+def _cuda_lowering(fn):
+    lowered = mlir.lower_fun(fn, multiple_results=True)
 
     def rule(ctx, *args, scale, config, implementation):
         _require("cuda", implementation)
-        _check_cuda_features(config, ctx.avals_in[num_tensors:])
-        return lowered(ctx, *args, scale=scale, is_causal=config.is_causal)
+        _check_cuda_features(config)
+        return lowered(ctx, *args, scale=scale, config=config)
     return rule
 
 
-mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward, 3), platform="cuda")
-mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward, 7), platform="cuda")
+mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward), platform="cuda")
+mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward), platform="cuda")

@@ -174,3 +174,128 @@ def test_repeated_calls_are_deterministic_in_forward():
     f = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True))
     np.testing.assert_array_equal(np.asarray(f(q, k, v).astype(jnp.float32)),
                                   np.asarray(f(q, k, v).astype(jnp.float32)))
+
+
+# ---- Masks, bias, soft-capping, ALiBi, dropout on the portable kernels (issue 5) ---------------
+# The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
+# bounds of util.BOUNDS). Any of these keywords routes the forward to the portable kernel (their
+# general path); the backward is always the portable one.
+
+from jax_flashattn import dropout as _dropout  # noqa: E402
+from test_bias_mask import BROADCASTS, _shape as _bias_shape  # noqa: E402
+from test_masks import COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, _lengths  # noqa: E402
+from util import compare_with_reference  # noqa: E402
+
+# Kernel tiles are larger on the GPU (forward 128 x 64..128, backward 64..128 x 64..128): "big"
+# has several tiles each way and partial last tiles at head dim 128.
+GPU_MASK_SHAPES = dict(MASK_SHAPES, big=(2, 300, 520, 4, 2, 128))
+BF16 = jnp.bfloat16
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("shape", ["odd", "tiles", "big"])
+def test_mask_feature_on_gpu(feature, shape):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES[shape]
+    compare_with_reference(seed, GPU_MASK_SHAPES[shape], _keywords(feature, seed, B, T, S, N), dtype=BF16)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
+@pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one", "big"])
+def test_mask_features_combined_on_gpu(combo, shape):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES[shape]
+    kw = {}
+    for i, name in enumerate(combo):
+        kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
+    compare_with_reference(seed, GPU_MASK_SHAPES[shape], kw, dtype=BF16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mask_combined_both_dtypes_on_gpu(dtype):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
+    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(140, 0),
+              softcap=5.0, key_value_seq_lengths=_lengths(seed, B, S, low=1),
+              alibi_slopes=jnp.full((N,), 0.05, jnp.float32))
+    compare_with_reference(seed, GPU_MASK_SHAPES["big"], kw, dtype=dtype)
+
+
+def test_fully_masked_rows_on_gpu():
+    """Rows past their length and rows whose window holds no key: o = 0, lse = -inf, no grads."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 150, 140, 2, 1, 64
+    kw = dict(query_seq_lengths=jnp.array([70, 0], jnp.int32), local_window_size=(0, 30),
+              causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([140, 5], jnp.int32))
+    out, lse, grads = compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16)
+    assert np.all(np.isneginf(np.asarray(lse[1])))
+    assert not np.any(np.asarray(grads[0][1], np.float32))
+
+
+@pytest.mark.parametrize("axes", BROADCASTS)
+@pytest.mark.parametrize("shape", ["odd", "big"])
+def test_bias_and_its_gradient_on_gpu(axes, shape):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES[shape]
+    bias = jax.random.normal(jax.random.key(seed + 7), _bias_shape(axes, B, N, T, S))
+    _, _, grads = compare_with_reference(seed, GPU_MASK_SHAPES[shape], dict(is_causal=shape == "odd"),
+                                         dtype=BF16, bias=bias)
+    assert grads[3].shape == bias.shape
+
+
+@pytest.mark.parametrize("axes", ["BNTS", "BTS", "NTS", "TS", "S", "rank2"])
+def test_boolean_mask_on_gpu(axes):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
+    mask = jax.random.bernoulli(jax.random.key(seed + 7), 0.6, _bias_shape(axes, B, N, T, S))
+    compare_with_reference(seed, GPU_MASK_SHAPES["big"], dict(mask=mask), dtype=BF16)
+
+
+def test_everything_at_once_on_gpu():
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 170, 190, 4, 2, 64
+    rng = np.random.default_rng(seed)
+    ids_q = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32)
+    ids_k = jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), 1), jnp.int32)
+    kw = dict(mask=jax.random.bernoulli(jax.random.key(seed + 3), 0.8, (1, N, T, S)),
+              is_causal=True, causal_alignment="bottom_right", local_window_size=(90, 3),
+              query_seq_lengths=jnp.array([160, 170], jnp.int32),
+              key_value_seq_lengths=jnp.array([190, 131], jnp.int32),
+              q_segment_ids=ids_q, kv_segment_ids=ids_k, softcap=4.0,
+              alibi_slopes=jnp.linspace(0.05, 0.3, N))
+    bias = jax.random.normal(jax.random.key(seed + 4), (B, 1, T, S))
+    compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_dropout_mask_is_the_numpy_philox_mask_on_gpu(rate):
+    """The GPU kernel's mask, read off the output (q = 0: P = 1/S; V = identity), is
+    jax_flashattn.dropout.keep_mask bit for bit: the CPU's stream, same counters."""
+    rng = jax.random.key(fresh_seed())
+    B, N, T, S = 2, 3, 200, 139  # several query tiles; S not a multiple of 4 or of a tile
+    q = jnp.zeros((B, T, N, 64), BF16)
+    k = jnp.zeros((B, S, 1, 64), BF16)
+    v = jnp.broadcast_to(jnp.eye(S, dtype=BF16)[None, :, None, :], (B, S, 1, S))
+    out = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=rng))(q, k, v)
+    kept = np.asarray(out.astype(jnp.float32) > 0).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(kept, _dropout.keep_mask(rng, rate, (B, N, T, S)))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, query_seq_lengths=[150, 9]),
+                                dict(local_window_size=(40, 40), softcap=3.0)],
+                         ids=["plain", "causal+lengths", "window+softcap"])
+def test_dropout_forward_and_gradients_on_gpu(kw):
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 170, 145, 4, 2, 64
+    rng, rate = jax.random.key(seed + 5), 0.25
+    kw = {name: jnp.asarray(x, jnp.int32) if name.endswith("lengths") else x for name, x in kw.items()}
+    keep = _dropout.keep_mask(rng, rate, (B, N, T, S))
+    bias = jax.random.normal(jax.random.key(seed + 6), (1, N, 1, S))
+    compare_with_reference(seed, (B, T, S, N, K, H), dict(kw, dropout_rate=rate, dropout_rng=rng),
+                           ref_kw=dict(kw, dropout_rate=rate, dropout_keep=keep), dtype=BF16, bias=bias)
+
+
+def test_deterministic_is_refused_on_gpu():
+    q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 64, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, deterministic=True))(q, k, v)

@@ -156,18 +156,25 @@ def test_kernel_checks_operands_again():
                              config=MaskConfig(dropout_rate=0.5), implementation=None)
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(softcap=2.0), "softcap"), (dict(bias=jnp.zeros((8, 12))), "bias"),
-    (dict(mask=jnp.ones((8, 12), bool)), "mask"),
-    (dict(query_seq_lengths=jnp.array([3, 4], jnp.int32)), "query_seq_lengths"),
-    (dict(local_window_size=3), "local_window_size"),
-    (dict(causal_alignment="bottom_right"), "causal_alignment"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
-    (dict(deterministic=True), "deterministic"),
-])
-def test_cuda_lowering_names_unsupported_keywords(kw, name):
-    """The CUDA kernels do not have these yet: lowering for CUDA says so, never ignores them."""
+@pytest.mark.parametrize("kw", [
+    dict(softcap=2.0), dict(bias=jnp.zeros((8, 12))), dict(mask=jnp.ones((8, 12), bool)),
+    dict(query_seq_lengths=jnp.array([3, 4], jnp.int32)), dict(local_window_size=3),
+    dict(causal_alignment="bottom_right"), dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+], ids=lambda kw: next(iter(kw)))
+def test_cuda_lowering_takes_mask_keywords(kw):
+    """The CUDA kernels take every masking keyword: lowering for CUDA passes them on (in a build
+    without CUDA kernels it stops at the missing kernels, never at the keyword)."""
     q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
     traced = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, **kw)).trace(q, k, v)
-    with pytest.raises(NotImplementedError, match=name):
+    try:
+        traced.lower(lowering_platforms=("cuda",))
+    except RuntimeError as e:
+        assert "without its CUDA kernels" in str(e)
+
+
+def test_cuda_lowering_refuses_deterministic():
+    """dQ and d(bias) are float atomics on the GPU: deterministic=True is refused by name."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
+    traced = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, deterministic=True)).trace(q, k, v)
+    with pytest.raises(NotImplementedError, match="deterministic"):
         traced.lower(lowering_platforms=("cuda",))

@@ -2,6 +2,11 @@
 // stream. Workspace (the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE) arrives as extra
 // outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
 // capture in CUDA graphs.
+//
+// Beyond q, k, v the handlers take the same optional operands (rank 0 = absent) and attributes as
+// the CPU handlers, in the same order (decode_mask.h), so that jax_flashattn lowers both platforms
+// alike; d(bias) is a float32 result in the bias's shape, accumulated by the kernels' atomics. Any
+// mask feature routes the forward to the portable kernels (sm90::can_implement declines it).
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -10,6 +15,7 @@
 #include <string>
 
 #include "ffi/decode.h"
+#include "ffi/decode_mask.h"
 #include "ffi/handlers.h"
 #include "sm80/api.h"
 #ifdef JFA_HAS_SM90
@@ -23,6 +29,8 @@ namespace ffi = xla::ffi;
 using ffi_decode::decode_backward;
 using ffi_decode::decode_forward;
 using ffi_decode::invalid;
+using ffi_decode::MaskAttrs;
+using ffi_decode::MaskOperands;
 
 // What the CUDA kernels need beyond a valid attention call.
 ffi::Error check_cuda_support(const AttentionParams& p) {
@@ -78,10 +86,19 @@ ffi::Error launched(cudaError_t err, const char* what) {
 }
 
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                       float scale, int32_t is_causal) {
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
+                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
+                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o,
+                       ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal,
+                       int32_t bottom_right, int64_t window_left, int64_t window_right,
+                       float softcap, float dropout_rate) {
   AttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
+  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                           alibi_slopes, dropout_seeds};
+  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
+  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
   return launched(forward_dispatch(p, stream), "forward");
@@ -89,14 +106,25 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                        ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::AnyBuffer dlse, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                        ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dq_accum,
-                        ffi::Result<ffi::AnyBuffer> softmax_d, float scale, int32_t is_causal) {
+                        ffi::Result<ffi::AnyBuffer> softmax_d, float scale, int32_t is_causal,
+                        int32_t bottom_right, int64_t window_left, int64_t window_right,
+                        float softcap, float dropout_rate) {
   AttentionParams p;
   if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
       e.failure())
     return e;
+  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                           alibi_slopes, dropout_seeds};
+  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
+  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.N, p.dq_accum_rows(), p.H},
                                   ffi::DataType::F32);
@@ -108,7 +136,15 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
-  if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) return ffi::Error::Success();
+  if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) {
+    // Nothing to launch; d(bias) (sized by the bias, maybe non-empty) is still all zeros.
+    if (p.mask.dbias != nullptr) {
+      const int64_t* d = p.mask.bias_dims;
+      const size_t bytes = size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float);
+      if (bytes > 0) return launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, stream), "dbias memset");
+    }
+    return ffi::Error::Success();
+  }
   return launched(sm80::backward(p, stream), "backward");
 }
 
@@ -121,10 +157,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // q
                                   .Arg<xla::ffi::AnyBuffer>()  // k
                                   .Arg<xla::ffi::AnyBuffer>()  // v
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
+                                  .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
+                                  .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
+                                  .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
                                   .Ret<xla::ffi::AnyBuffer>()  // o
                                   .Ret<xla::ffi::AnyBuffer>()  // lse
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"),
+                                  .Attr<int32_t>("is_causal")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("dropout_rate"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
@@ -137,11 +186,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // lse
                                   .Arg<xla::ffi::AnyBuffer>()  // dout
                                   .Arg<xla::ffi::AnyBuffer>()  // dlse
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
+                                  .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
+                                  .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
+                                  .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq
                                   .Ret<xla::ffi::AnyBuffer>()  // dk
                                   .Ret<xla::ffi::AnyBuffer>()  // dv
+                                  .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal"),
+                                  .Attr<int32_t>("is_causal")
+                                  .Attr<int32_t>("bottom_right")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("dropout_rate"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -10,6 +10,10 @@
 //      The next Q tile (double-buffered) and dO tile load with cp.async behind the gemms.
 //      CTAs start their loop at different steps (rotated by the key tile index).
 //   3. bwd_convert_dq_kernel: dq = scale · dq_accum, cast to the element type.
+// The kGeneral instantiation (masks, score modifiers, dropout; mask.h) visits only the query tiles
+// of query_range, computes dS = P∘(dP·z − D)·(1 − tanh²) in one element pass (z: dropout
+// multiplier; dV sees P·z) and adds d(bias) = P∘(dP·z − D) into p.mask.dbias with float32
+// atomics (zeroed by run_bwd; the summation order over broadcast axes is not deterministic).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -107,7 +111,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 
 // ---------------------------------------------------------------------------------------------
 // 2. The main kernel.
-template <typename Traits, bool kCausal>
+// kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h),
+// causality from p.is_causal, d(bias) by atomics; the plain instantiations compile none of it.
+// kDropout (with kGeneral): dropout too, a separate instantiation (the Philox stream costs registers).
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -131,8 +138,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
 
   // Query tiles that see this key tile: causal (top-left) skips those entirely above the diagonal.
   const int num_m_blocks = (T + kBlockM - 1) / kBlockM;
-  const int m_block_min = kCausal ? min(n0 / kBlockM, num_m_blocks) : 0;
-  const int m_per_head = num_m_blocks - m_block_min;
+  int m_block_min = kCausal ? min(n0 / kBlockM, num_m_blocks) : 0;
+  int m_block_end = num_m_blocks;
+  SequenceBounds bounds{};
+  if constexpr (kGeneral) {
+    // The query tiles that may see this key tile by position (causal, window, lengths).
+    bounds = sequence_bounds(p, batch);
+    const KeyRange r = query_range(p, bounds, n0, kBlockN);
+    m_block_min = int(r.begin / kBlockM);
+    m_block_end = r.end > r.begin ? int((r.end + kBlockM - 1) / kBlockM) : m_block_min;
+  }
+  const int m_per_head = m_block_end - m_block_min;
   const int num_steps = G * m_per_head;  // step j: head g = j / m_per_head, m_block = m_block_min + j % m_per_head
 
   // Tensors that do not depend on the step.
@@ -306,26 +322,64 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_cur, tSsK, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
               smem_thr_b_sdp);
       Tensor scores = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-      if (tile_needs_mask<kCausal>(cur.m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, cur.m0, n0, S);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(scores); ++ni)
-          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2[mi]);
-      }
-      Tensor rP = convert_type<Element>(acc_s);
-      cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
-
-      // dP = dO·Vᵀ and dS = P∘(dP − D).
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
-              smem_thr_b_sdp);
       Tensor dS = make_tensor(acc_dp.data(), scores.layout());
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
+      if constexpr (kGeneral) {
+        // dP = dO·Vᵀ before P, so that one pass over the elements has the raw logit and dP at
+        // hand: the softcap derivative and the dropout multiplier need no extra register tile.
+        clear(acc_dp);
+        gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
+                smem_thr_b_sdp);
+        const bool partial = general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN);
+        constexpr bool dropout = kDropout;
+        const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(dS); ++ni) dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dsum[mi]);
+        for (int mi = 0; mi < kNRows; ++mi) {
+          const int row = cur.m0 + get<0>(tScS_rc(mi, 0));
+          const RowPolicy rp = row_policy(p, bounds, batch, cur.head, row);
+          // d(bias) has the bias's (broadcast) strides: its row starts where the bias row does.
+          float* dbias_row = p.mask.dbias != nullptr ? p.mask.dbias + (rp.bias - p.mask.bias) : nullptr;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ni += 2) {
+            const int col = n0 + get<1>(tScS_rc(mi, ni));  // col + 1 is element ni + 1
+            const float2 z = dropout ? dropout_pair(drop, int(cur.head), row, col) : make_float2(1.f, 1.f);
+            CUTE_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              float g;
+              const float x = row_logit(p, rp, col + e, scores(mi, ni + e), partial, &g);
+              const float prob = exp2f(x - lse_log2[mi]);  // 0 if hidden or the row is empty
+              const float ze = e == 0 ? z.x : z.y;
+              // d(logit) = P∘(dP·z − D): dropout scales dP, and dV sees the dropped P·z.
+              const float ds = prob * (dS(mi, ni + e) * ze - dsum[mi]);
+              if (dbias_row != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative
+                atomicAdd(dbias_row + (col + e) * rp.bias_col, ds);
+              scores(mi, ni + e) = prob * ze;
+              dS(mi, ni + e) = ds * g;
+            }
+          }
+        }
+        Tensor rP = convert_type<Element>(acc_s);
+        cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
+      } else {
+        if (tile_needs_mask<kCausal>(cur.m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, cur.m0, n0, S);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ++ni)
+            scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2[mi]);
+        }
+        Tensor rP = convert_type<Element>(acc_s);
+        cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
+
+        // dP = dO·Vᵀ and dS = P∘(dP − D).
+        clear(acc_dp);
+        gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
+                smem_thr_b_sdp);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(dS); ++ni) dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dsum[mi]);
+        }
       }
 
       // The next Q tile goes to the other buffer while this one is still read by dK.

@@ -18,7 +18,12 @@ namespace jfa::sm80 {
 
 using namespace cute;
 
-template <typename Traits, bool kCausal>
+// kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h);
+// causality then comes from p.is_causal. kDropout (with kGeneral): dropout too, a separate
+// instantiation because the Philox stream costs registers (bf16 H128 general forward spill bytes:
+// 380 stores / 236 loads without it, ~1000 / ~700 with it). The plain instantiations compile none
+// of that code.
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -40,6 +45,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
 
   int n_block_max = (S + kBlockN - 1) / kBlockN;
   if (kCausal) n_block_max = min(n_block_max, (m0 + kBlockM + kBlockN - 1) / kBlockN);
+  int n_block_min = 0;
+  if constexpr (kGeneral) {
+    // The key tiles this query block may see (causal, window, lengths): the loop's trip count.
+    const SequenceBounds bounds = sequence_bounds(p, batch);
+    const KeyRange r = key_range(p, bounds, m0, kBlockM);
+    n_block_min = int(r.begin / kBlockN);
+    n_block_max = r.end > r.begin ? int((r.end + kBlockN - 1) / kBlockN) : n_block_min;  // empty: O = 0, LSE = -inf
+  }
 
   // Global tensors of this (batch, head): Q/O [T, H], K/V [S, H], tiles selected below.
   const Element* q_ptr = static_cast<const Element*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
@@ -98,14 +111,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
   // Prologue: Q and the last K tile in flight.
   copy_rows<true>(gmem_copy, tQgQ, tQsQ, tQcQ, T - m0);
   int n_block = n_block_max - 1;
-  copy_rows<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, S - n_block * kBlockN);
+  if (!kGeneral || n_block >= n_block_min)
+    copy_rows<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, S - n_block * kBlockN);
   cute::cp_async_fence();
 
   clear(acc_o);
   Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
   OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax;
 
-  for (; n_block >= 0; --n_block) {
+  for (; n_block >= n_block_min; --n_block) {
     const int n0 = n_block * kBlockN;
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -117,17 +131,47 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
 
     Tensor scores = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    if (tile_needs_mask<kCausal>(m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, m0, n0, S);
+    if constexpr (kGeneral) {
+      // Logits in log2 units (scale, soft-capping, bias, ALiBi); hidden ones -inf.
+      // Recomputed per tile (two cached loads) rather than kept live across the loop.
+      const SequenceBounds bounds = sequence_bounds(p, batch);
+      const bool partial = general_tile_partial(p, bounds, m0, kBlockM, n0, kBlockN);
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(scores); ++mi) {
+        const RowPolicy row = row_policy(p, bounds, batch, head, m0 + get<0>(tScS_rc(mi, 0)));
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(scores); ++ni)
+          scores(mi, ni) = row_logit(p, row, n0 + get<1>(tScS_rc(mi, ni)), scores(mi, ni), partial, nullptr);
+      }
+    } else {
+      if (tile_needs_mask<kCausal>(m0, n0, kBlockN, S)) apply_mask<kCausal>(scores, tScS_rc, m0, n0, S);
+    }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n] visible; every warp is done reading K[n]
-    if (n_block > 0) {
+    if (n_block > n_block_min) {
       // Interior tiles need no bounds: only the last tile (handled first) can cross S.
       cute::copy(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK);
       cute::cp_async_fence();
     }
 
-    softmax.update(scores, acc_o_rc, p.scale_log2);
+    softmax.update(scores, acc_o_rc, kGeneral ? 1.f : p.scale_log2);
+    if constexpr (kGeneral) {
+      // Dropout after the softmax statistics (the row sums and so LSE are dropout-free), as on the
+      // CPU: P·keep/(1 - rate) enters P·V. Columns (ni, ni + 1), ni even, are adjacent keys.
+      if constexpr (kDropout) {
+        const DropoutStream drop = dropout_stream(p, batch);
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(scores); ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ni += 2) {
+            const float2 z = dropout_pair(drop, head, m0 + get<0>(tScS_rc(mi, ni)), n0 + get<1>(tScS_rc(mi, ni)));
+            scores(mi, ni) *= z.x;
+            scores(mi, ni + 1) *= z.y;
+          }
+        }
+      }
+    }
 
     Tensor rP = convert_type<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
@@ -135,8 +179,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
   }
 
   // Epilogue: normalize, LSE, O through smem (reusing sQ) for 16-byte coalesced stores.
+  if constexpr (kGeneral) cp_async_wait<0>();  // a block that saw no key tile still has Q in flight
   float lse[decltype(size<0>(acc_o_rc))::value];
-  softmax.finalize(acc_o_rc, p.scale_log2, lse);
+  softmax.finalize(acc_o_rc, kGeneral ? 1.f : p.scale_log2, lse);
 
   Tensor rO = convert_type<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});

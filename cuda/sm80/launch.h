@@ -22,9 +22,9 @@ cudaError_t set_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <typename Traits, bool kCausal>
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = &fwd_kernel<Traits, kCausal>;
+  auto kernel = &fwd_kernel<Traits, kCausal, kGeneral, kDropout>;
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;
@@ -32,9 +32,9 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Traits, bool kCausal>
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
 cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Traits, kCausal>;
+  auto kernel = &bwd_kernel<Traits, kCausal, kGeneral, kDropout>;
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.S + Traits::kBlockN - 1) / Traits::kBlockN * p.K * p.B;
@@ -47,6 +47,10 @@ cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
+  // Masks, score modifiers, dropout: the general kernel (causality from p.is_causal).
+  if (p.mask.active())
+    return p.mask.has_dropout() ? detail::launch_fwd<Traits, false, true, true>(p, stream)
+                                : detail::launch_fwd<Traits, false, true, false>(p, stream);
   return p.is_causal ? detail::launch_fwd<Traits, true>(p, stream) : detail::launch_fwd<Traits, false>(p, stream);
 }
 
@@ -59,6 +63,12 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
+  // d(bias) is accumulated with atomics too (broadcast axes sum many elements into one).
+  if (p.mask.dbias != nullptr) {
+    const int64_t* d = p.mask.bias_dims;
+    err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
 
   constexpr int kLanesPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
   constexpr int kRowsPerBlock = 256 / kLanesPerRow;
@@ -66,8 +76,10 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
       <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  err = p.is_causal ? detail::launch_bwd_main<Traits, true>(p, stream)
-                    : detail::launch_bwd_main<Traits, false>(p, stream);
+  err = p.mask.active() && p.mask.has_dropout() ? detail::launch_bwd_main<Traits, false, true, true>(p, stream)
+        : p.mask.active()                          ? detail::launch_bwd_main<Traits, false, true, false>(p, stream)
+        : p.is_causal                              ? detail::launch_bwd_main<Traits, true>(p, stream)
+                                                   : detail::launch_bwd_main<Traits, false>(p, stream);
   if (err != cudaSuccess) return err;
 
   const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;

@@ -4,6 +4,11 @@
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only
+// Cases with a feature name (lengths, window, bottom_right, segments, softcap, alibi, bias*, mask,
+// dropout, all, empty) run the kernels' general path (jfa/mask.h policies); the reference computes
+// logits, softcap, bias, ALiBi and the softmax in double, sharing with the kernels only the position
+// and data predicate visible() and the Philox dropout words (which must be bit-identical). It also
+// checks d(bias), and that jfa::query_range / key_range never miss a visible element.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,7 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include "jfa/mask.h"
 #include "jfa/params.h"
+#include "jfa/philox.h"
 #include "sm80/api.h"
 
 #define CK(x)                                                                                   \
@@ -57,13 +64,111 @@ static uint16_t from_float(float f, DType dt) {
   return u;
 }
 
+// Masking features of a case (all off: the plain/causal kernels).
+struct Features {
+  const char* name = nullptr;
+  bool bottom_right = false;
+  int window_left = -1, window_right = -1;
+  bool q_lengths = false, kv_lengths = false, empty_batch = false;  // empty: batch 1 has kv length 0
+  bool segments = false;
+  float softcap = 0.f;
+  bool alibi = false;
+  int bias = 0;  // 0: none; 1: [B, N, T, S]; 2: [1, N, 1, S]; 3: [B, 1, T, 1]
+  bool mask = false;  // [B, 1, T, S], ~20% hidden, one fully hidden row
+  float dropout = 0.f;
+};
+
 struct Config {
   int B, T, S, N, K, H;
   bool causal;
   DType dt;
   bool dlse;
   int pad;  // extra elements per row (non-packed strides)
+  Features f = {};
 };
+
+// Host copies of the feature operands; AttentionParams::mask of the host copy points into them.
+struct FeatureData {
+  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg;
+  std::vector<float> bias, slopes;
+  std::vector<uint8_t> mask;
+  std::vector<uint32_t> seeds;
+  int64_t bias_dims[4] = {0, 0, 0, 0};
+  jfa::Strides4 bias_strides, mask_strides;
+};
+
+static FeatureData make_features(const Config& c, std::mt19937& rng) {
+  FeatureData d;
+  const Features& f = c.f;
+  std::uniform_int_distribution<int> coin(0, 999);
+  if (f.q_lengths)
+    for (int b = 0; b < c.B; ++b) d.q_len.push_back(b % 2 == 0 ? c.T - c.T / 3 : coin(rng) % (c.T + 1));
+  if (f.kv_lengths || f.empty_batch)
+    for (int b = 0; b < c.B; ++b)
+      d.kv_len.push_back(f.empty_batch && b == 1 ? 0 : b % 2 == 0 ? c.S - c.S / 4 : coin(rng) % (c.S + 1));
+  if (f.segments)
+    for (int b = 0; b < c.B; ++b) {
+      // Three packed sequences in proportion, plus one stray id to make a tile partial.
+      for (int i = 0; i < c.T; ++i) d.q_seg.push_back(int64_t(i) * 3 / c.T + b);
+      for (int j = 0; j < c.S; ++j) d.kv_seg.push_back(int64_t(j) * 3 / c.S + b);
+      if (c.S > 5) d.kv_seg[size_t(b) * c.S + 5] = 7;
+    }
+  std::normal_distribution<float> nd(0.f, 1.f);
+  if (f.bias) {
+    const int64_t full[4] = {c.B, c.N, c.T, c.S};
+    const bool keep[3][4] = {{1, 1, 1, 1}, {0, 1, 0, 1}, {1, 0, 1, 0}};
+    for (int a = 0; a < 4; ++a) d.bias_dims[a] = keep[f.bias - 1][a] ? full[a] : 1;
+    const int64_t* e = d.bias_dims;
+    d.bias_strides = jfa::Strides4{e[0] == 1 ? 0 : e[1] * e[2] * e[3], e[1] == 1 ? 0 : e[2] * e[3],
+                                   e[2] == 1 ? 0 : e[3], e[3] == 1 ? 0 : 1};
+    d.bias.resize(size_t(e[0] * e[1] * e[2] * e[3]));
+    for (auto& x : d.bias) x = nd(rng);
+  }
+  if (f.alibi)  // [B, N]: a per-batch slope exercises the batch stride
+    for (int i = 0; i < c.B * c.N; ++i) d.slopes.push_back(0.02f + 0.3f * float(coin(rng)) / 1000.f);
+  if (f.mask) {
+    d.mask.resize(size_t(c.B) * c.T * c.S);
+    for (auto& x : d.mask) x = coin(rng) < 800;
+    if (c.T > 3)
+      for (int j = 0; j < c.S; ++j) d.mask[size_t(3) * c.S + j] = 0;  // batch 0, row 3: nothing visible
+    d.mask_strides = jfa::Strides4{int64_t(c.T) * c.S, 0, c.S, 1};
+  }
+  if (f.dropout > 0.f)
+    for (int i = 0; i < 3 * c.B; ++i) d.seeds.push_back(uint32_t(rng()));
+  return d;
+}
+
+// The features into p.mask, pointing at `ptr(vector)` (host or device copies).
+template <typename Ptr>
+static void set_features(const Config& c, const FeatureData& d, AttentionParams* p, Ptr ptr) {
+  jfa::MaskParams& m = p->mask;
+  m = jfa::MaskParams{};
+  m.bottom_right = c.f.bottom_right;
+  m.window_left = c.f.window_left;
+  m.window_right = c.f.window_right;
+  m.softcap = c.f.softcap;
+  m.dropout_rate = c.f.dropout;
+  if (!d.q_len.empty()) m.q_lengths = static_cast<const int32_t*>(ptr(d.q_len));
+  if (!d.kv_len.empty()) m.kv_lengths = static_cast<const int32_t*>(ptr(d.kv_len));
+  if (!d.q_seg.empty()) {
+    m.q_segment_ids = static_cast<const int32_t*>(ptr(d.q_seg));
+    m.kv_segment_ids = static_cast<const int32_t*>(ptr(d.kv_seg));
+  }
+  if (!d.bias.empty()) {
+    m.bias = static_cast<const float*>(ptr(d.bias));
+    m.bias_strides = d.bias_strides;
+    for (int a = 0; a < 4; ++a) m.bias_dims[a] = d.bias_dims[a];
+  }
+  if (!d.slopes.empty()) {
+    m.alibi_slopes = static_cast<const float*>(ptr(d.slopes));
+    m.alibi_batch_stride = c.N;
+  }
+  if (!d.mask.empty()) {
+    m.mask = static_cast<const uint8_t*>(ptr(d.mask));
+    m.mask_strides = d.mask_strides;
+  }
+  if (!d.seeds.empty()) m.dropout_seeds = static_cast<const uint32_t*>(ptr(d.seeds));
+}
 
 struct Tensor4 {  // host copy of a [B, rows, heads, H] tensor with row stride heads*H + pad
   int B, rows, heads, H, pad;
@@ -95,12 +200,17 @@ static double rel_err(const std::vector<double>& out, const std::vector<double>&
 
 // Double-precision reference over (b, n) pairs in parallel threads.
 struct Ref {
-  std::vector<double> o, lse, dq, dk, dv;
+  std::vector<double> o, lse, dq, dk, dv, dbias;
 };
 
+// `hp`: the call's parameters with host pointers (only is_causal, shapes and hp.mask are read).
 static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const Tensor4& v, const Tensor4& dout,
-                     const std::vector<float>& dlse, float scale) {
+                     const std::vector<float>& dlse, float scale, const AttentionParams& hp) {
   Ref r;
+  const jfa::MaskParams& fm = hp.mask;
+  const bool general = fm.active();
+  // d(logit) of every element, for d(bias) (reduced to the bias's shape at the end).
+  std::vector<double> ds_full(fm.bias != nullptr ? size_t(c.B) * c.N * c.T * c.S : 0);
   const int B = c.B, T = c.T, S = c.S, N = c.N, K = c.K, H = c.H, G = N / K;
   r.o.assign(size_t(B) * T * N * H, 0);
   r.lse.assign(size_t(B) * T * N, 0);
@@ -126,24 +236,52 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
     auto& dvp = dv_part[bn];
     dkp.assign(size_t(S) * H, 0);
     dvp.assign(size_t(S) * H, 0);
-    std::vector<double> p(S), dp(S), o(H);
+    std::vector<double> p(S), dp(S), o(H), sg(S, 1.0), z(S, 1.0);
+    std::vector<char> vis(S, 1);
+    const jfa::SequenceBounds sb = jfa::sequence_bounds(hp, b);
+    const double keep_scale = 1.0 / (1.0 - double(fm.dropout_rate));
     for (int t = 0; t < T; ++t) {
-      const int smax = c.causal ? std::min(S, t + 1) : S;
+      const int smax = general ? S : c.causal ? std::min(S, t + 1) : S;
       double m = -INFINITY;
       for (int s = 0; s < smax; ++s) {
+        if (general) {
+          vis[s] = jfa::visible(hp, sb, b, n, t, s);
+          if (!vis[s]) continue;
+        }
         double acc = 0;
         for (int d = 0; d < H; ++d) acc += qd[t * H + d] * kd[s * H + d];
-        p[s] = acc * scale;
+        double x = acc * scale;
+        if (fm.softcap > 0.f) {
+          const double th = std::tanh(x / fm.softcap);
+          x = fm.softcap * th;
+          sg[s] = 1.0 - th * th;
+        }
+        if (fm.bias != nullptr) {
+          const jfa::Strides4& st = fm.bias_strides;
+          x += fm.bias[b * st.batch + n * st.head + t * st.row + s * st.col];
+        }
+        if (fm.alibi_slopes != nullptr)
+          x -= double(fm.alibi_slopes[b * fm.alibi_batch_stride + n]) * std::fabs(double(t + sb.offset - s));
+        if (fm.dropout_rate > 0.f) {
+          const uint32_t* seed = fm.dropout_seeds + 3 * b;
+          const uint32_t w = jfa::dropout_word(seed[0], seed[1], seed[2], n, t, s);
+          z[s] = w < jfa::dropout_threshold(fm.dropout_rate) ? 0.0 : keep_scale;
+        }
+        p[s] = x;
         m = std::max(m, p[s]);
       }
-      double l = 0;
-      for (int s = 0; s < smax; ++s) l += (p[s] = std::exp(p[s] - m));
-      for (int s = 0; s < smax; ++s) p[s] /= l;
       const size_t orow = ((size_t(b) * T + t) * N + n);
-      r.lse[orow] = m + std::log(l);
       std::fill(o.begin(), o.end(), 0);
+      if (m == -INFINITY) {  // nothing visible: o = 0, lse = -inf, no gradient
+        r.lse[orow] = -INFINITY;
+        continue;
+      }
+      double l = 0;
+      for (int s = 0; s < smax; ++s) l += vis[s] ? (p[s] = std::exp(p[s] - m)) : (p[s] = 0.0);
+      for (int s = 0; s < smax; ++s) p[s] /= l;
+      r.lse[orow] = m + std::log(l);
       for (int s = 0; s < smax; ++s)
-        for (int d = 0; d < H; ++d) o[d] += p[s] * vd[s * H + d];
+        for (int d = 0; d < H; ++d) o[d] += p[s] * z[s] * vd[s * H + d];
       for (int d = 0; d < H; ++d) r.o[orow * H + d] = o[d];
       // Backward.
       double Dsum = 0;
@@ -152,13 +290,15 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
       for (int s = 0; s < smax; ++s) {
         double acc = 0;
         for (int d = 0; d < H; ++d) acc += dod[t * H + d] * vd[s * H + d];
-        dp[s] = p[s] * (acc - Dsum + g);  // dS
+        dp[s] = p[s] * (acc * z[s] - Dsum + g);  // dS (d of the final logit)
+        if (!ds_full.empty()) ds_full[((size_t(b) * N + n) * T + t) * S + s] = dp[s];
+        dp[s] *= sg[s];  // through soft-capping
       }
       for (int s = 0; s < smax; ++s)
         for (int d = 0; d < H; ++d) {
           r.dq[orow * H + d] += scale * dp[s] * kd[s * H + d];
           dkp[s * H + d] += scale * dp[s] * qd[t * H + d];
-          dvp[s * H + d] += p[s] * dod[t * H + d];
+          dvp[s * H + d] += p[s] * z[s] * dod[t * H + d];
         }
     }
   };
@@ -180,6 +320,17 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
           r.dv[i] += dv_part[b * N + n][s * H + d];
         }
     }
+  if (fm.bias != nullptr) {
+    const int64_t* e = fm.bias_dims;
+    r.dbias.assign(size_t(e[0] * e[1] * e[2] * e[3]), 0.0);
+    const jfa::Strides4& st = fm.bias_strides;
+    for (int b = 0; b < B; ++b)
+      for (int n = 0; n < N; ++n)
+        for (int t = 0; t < T; ++t)
+          for (int s = 0; s < S; ++s)
+            r.dbias[b * st.batch + n * st.head + t * st.row + s * st.col] +=
+                ds_full[((size_t(b) * N + n) * T + t) * S + s];
+  }
   return r;
 }
 
@@ -194,6 +345,32 @@ static void* upload(const std::vector<uint16_t>& h) {
   CK(cudaMalloc(&d, h.size() * 2 + 16));
   CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
   return d;
+}
+
+template <typename T>
+static void* upload_vec(const std::vector<T>& h) {
+  void* d;
+  CK(cudaMalloc(&d, h.size() * sizeof(T) + 16));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// The key range of every query block and the query range of every key block (the kernels' trip
+// counts) must contain every visible element; returns the number of misses.
+static int check_ranges(const Config& c, const AttentionParams& hp) {
+  int misses = 0;
+  for (int b = 0; b < c.B; ++b) {
+    const jfa::SequenceBounds sb = jfa::sequence_bounds(hp, b);
+    for (int blk : {64, 128})
+      for (int t = 0; t < c.T; ++t)
+        for (int s = 0; s < c.S; ++s) {
+          if (!jfa::visible(hp, sb, b, 0, t, s)) continue;
+          const jfa::KeyRange kr = jfa::key_range(hp, sb, t / blk * blk, blk);
+          const jfa::KeyRange qr = jfa::query_range(hp, sb, s / blk * blk, blk);
+          if (s < kr.begin || s >= kr.end || t < qr.begin || t >= qr.end) ++misses;
+        }
+  }
+  return misses;
 }
 
 static int g_failures = 0;
@@ -221,6 +398,21 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   p.is_causal = c.causal;
+  // Features: device copies for the kernels, host copies for the reference.
+  const FeatureData fd = make_features(c, rng);
+  std::vector<void*> feature_bufs;
+  set_features(c, fd, &p, [&](const auto& vec) {
+    feature_bufs.push_back(upload_vec(vec));
+    return feature_bufs.back();
+  });
+  AttentionParams hp = p;
+  set_features(c, fd, &hp, [](const auto& vec) { return static_cast<const void*>(vec.data()); });
+  float* d_dbias = nullptr;
+  if (!fd.bias.empty()) {
+    CK(cudaMalloc(&d_dbias, fd.bias.size() * 4));
+    CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: run_bwd must zero it
+    p.mask.dbias = d_dbias;
+  }
   p.q = upload(q.data); p.k = upload(k.data); p.v = upload(v.data);
   p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
   Tensor4 o_layout{c.B, c.T, c.N, c.H, c.pad};
@@ -263,7 +455,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMemcpy(h_dv.data(), d_dv, v.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(h_lse.data(), d_lse, rows * 4, cudaMemcpyDeviceToHost));
 
-  Ref ref = reference(c, q, k, v, dout, dlse, scale);
+  Ref ref = reference(c, q, k, v, dout, dlse, scale, hp);
+  const int range_misses = p.mask.active() ? check_ranges(c, hp) : 0;
   auto gather = [&](const std::vector<uint16_t>& h, const Tensor4& lay) {
     std::vector<double> out;
     out.reserve(size_t(lay.B) * lay.rows * lay.heads * lay.H);
@@ -275,6 +468,18 @@ static void run_case(const Config& c, std::mt19937& rng) {
   };
   std::vector<double> o = gather(h_o, o_layout), dq = gather(h_dq, o_layout), dk = gather(h_dk, k),
                       dv = gather(h_dv, v), lse(h_lse.begin(), h_lse.end());
+  // Empty rows: -inf in both is a match (compared as 0); -inf in one only is a failure (NaN).
+  for (size_t i = 0; i < lse.size(); ++i) {
+    const bool a = lse[i] == -INFINITY, b = ref.lse[i] == -INFINITY;
+    if (a && b) lse[i] = ref.lse[i] = 0;
+    else if (a || b) lse[i] = NAN;
+  }
+  std::vector<double> dbias;
+  if (d_dbias != nullptr) {
+    std::vector<float> h(fd.bias.size());
+    CK(cudaMemcpy(h.data(), d_dbias, h.size() * 4, cudaMemcpyDeviceToHost));
+    dbias.assign(h.begin(), h.end());
+  }
   const double tol = c.dt == DType::kBFloat16 ? 2e-2 : 3e-3;
   double ma[5];
   bool fin[5];
@@ -287,7 +492,16 @@ static void run_case(const Config& c, std::mt19937& rng) {
   const double abs_tol = 4 * tol;
   bool ok = true;
   for (int i = 0; i < 5; ++i) ok = ok && fin[i] && (e[i] <= tols[i] || ma[i] <= abs_tol);
+  double e_db = 0, ma_db = 0;
+  bool fin_db = true;
+  if (!dbias.empty()) {
+    e_db = rel_err(dbias, ref.dbias, &ma_db, &fin_db);
+    ok = ok && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
+  }
+  ok = ok && range_misses == 0;
   if (!ok) ++g_failures;
+  if (c.f.name != nullptr)
+    printf("[%s%s dbias %.2e, range misses %d] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "", e_db, range_misses);
   printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel o %.2e lse %.2e dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
          ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e[0], e[1], e[2], e[3], e[4], ma[2], ma[3],
          (fin[0] && fin[1] && fin[2] && fin[3] && fin[4]) ? "" : " NONFINITE");
@@ -296,6 +510,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
   for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, (void*)p.dout, d_o, d_dq, d_dk, d_dv, (void*)d_lse, (void*)d_dlse,
                     (void*)d_dqacc, (void*)d_D})
     CK(cudaFree(ptr));
+  for (void* ptr : feature_bufs) CK(cudaFree(ptr));
+  if (d_dbias != nullptr) CK(cudaFree(d_dbias));
 }
 
 static void bench(DType dt, int H, int B, int T, int N, bool causal) {
@@ -387,6 +603,47 @@ int main(int argc, char** argv) {
     for (int H : {32, 96, 192, 256})
       for (bool causal : {false, true})
         for (DType dt : {BF, FP}) cases.push_back({2, 255, 300, 2, 1, H, causal, dt, true, 0});
+  }
+  // The general path, one feature at a time and all at once (B = 2 so lengths differ per batch).
+  {
+    std::vector<Features> fs;
+    auto add = [&](const char* name, auto set) {
+      Features f;
+      f.name = name;
+      set(f);
+      fs.push_back(f);
+    };
+    add("lengths", [](Features& f) { f.q_lengths = f.kv_lengths = true; });
+    add("empty", [](Features& f) { f.q_lengths = f.empty_batch = true; });
+    add("window", [](Features& f) { f.window_left = 40; f.window_right = 7; });
+    add("window_left", [](Features& f) { f.window_left = 70; });
+    add("bottom_right", [](Features& f) { f.bottom_right = true; });
+    add("segments", [](Features& f) { f.segments = true; });
+    add("softcap", [](Features& f) { f.softcap = 1.5f; });
+    add("alibi", [](Features& f) { f.alibi = true; f.bottom_right = true; });
+    add("bias_full", [](Features& f) { f.bias = 1; });
+    add("bias_1N1S", [](Features& f) { f.bias = 2; });
+    add("bias_B1T1", [](Features& f) { f.bias = 3; });
+    add("mask", [](Features& f) { f.mask = true; });
+    add("dropout", [](Features& f) { f.dropout = 0.2f; });
+    add("all", [](Features& f) {
+      f.bottom_right = f.q_lengths = f.kv_lengths = f.segments = f.alibi = f.mask = true;
+      f.window_left = 90; f.window_right = 20; f.softcap = 2.f; f.bias = 1; f.dropout = 0.1f;
+    });
+    if (small) {
+      for (const Features& f : fs)
+        for (bool causal : {false, true}) cases.push_back({2, 70, 90, 2, 1, 64, causal, BF, true, 0, f});
+      Features all = fs.back();
+      cases.push_back({2, 130, 65, 4, 2, 128, true, FP, true, 8, all});
+    } else if (!bench_only) {
+      for (const Features& f : fs)
+        for (bool causal : {false, true}) {
+          cases.push_back({2, 255, 300, 4, 2, 128, causal, BF, true, 0, f});
+          cases.push_back({2, 300, 130, 2, 1, 64, causal, FP, false, 8, f});
+        }
+      for (int H : {32, 96, 192, 256}) cases.push_back({2, 255, 300, 2, 1, H, true, BF, true, 0, fs.back()});
+      cases.push_back({1, 1000, 1000, 2, 2, 128, true, BF, true, 0, fs.back()});
+    }
   }
   for (auto& c : cases) run_case(c, rng);
   if (!small) {

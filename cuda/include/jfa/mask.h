@@ -76,6 +76,27 @@ JFA_HOST_DEVICE KeyRange key_range(const AttentionParams& p, const SequenceBound
   return KeyRange{lo, hi > lo ? hi : lo};
 }
 
+// Query rows [begin, end) that may see some key of [j0, j0 + cols) by position: the transpose of
+// key_range, for kernels that loop over query blocks per key block (the GPU backward). Follows from
+// key_lo / key_hi being non-decreasing in i: row i sees the block iff key_lo(i) < min(j0 + cols,
+// kv_len) and key_hi(i) > j0.
+JFA_HOST_DEVICE KeyRange query_range(const AttentionParams& p, const SequenceBounds& s, int64_t j0,
+                                     int64_t cols) {
+  const int64_t j1 = j0 + cols < s.kv_len ? j0 + cols : s.kv_len;
+  if (j1 <= j0) return KeyRange{0, 0};
+  int64_t lo = 0, hi = s.q_len;
+  if (p.is_causal) lo = j0 - s.offset > lo ? j0 - s.offset : lo;  // i + offset + 1 > j0
+  if (p.mask.window_right >= 0) {
+    const int64_t w = j0 - s.offset - p.mask.window_right;  // i + offset + right + 1 > j0
+    lo = w > lo ? w : lo;
+  }
+  if (p.mask.window_left >= 0) {
+    const int64_t w = j1 - s.offset + p.mask.window_left;  // i + offset - left < j1
+    hi = w < hi ? w : hi;
+  }
+  return KeyRange{lo, hi > lo ? hi : lo};
+}
+
 enum class TileKind { kSkip, kFull, kPartial };
 
 // Classifies tile rows [i0, i0 + rows) x keys [j0, j0 + cols) by position. Segment ids and the

@@ -99,6 +99,13 @@ struct MaskParams {
   JFA_HOST_DEVICE bool has_dropout() const { return dropout_rate > 0.f; }
   // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
   JFA_HOST_DEVICE bool has_element_mask() const { return mask != nullptr; }
+  // Whether any feature beyond plain/causal (top-left) attention is on: kernels that specialize
+  // the plain path (sm80, sm90) take their general path, or decline the call, when it is.
+  JFA_HOST_DEVICE bool active() const {
+    return bottom_right || window_left >= 0 || window_right >= 0 || q_lengths != nullptr ||
+           kv_lengths != nullptr || q_segment_ids != nullptr || mask != nullptr || has_score_mod() ||
+           has_dropout();
+  }
 };
 
 struct AttentionParams {
