@@ -1,6 +1,6 @@
 // Templated launchers of the sm80 kernels. Each generated instantiation file (one per
-// fwd/bwd x dtype x hdim, see cuda/generate_instantiations.py) instantiates run_fwd or run_bwd
-// (run.h) for one type: it explicitly instantiates the definitions below.
+// fwd/bwd x dtype x hdim x variant, see cuda/generate_instantiations.py) explicitly instantiates
+// launch_fwd_variant or launch_bwd_variant (declared in run.h) for one combination.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,19 +44,25 @@ cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace detail
 
-template <typename Element, int kHeadDim>
-cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+// The kernel template flags of each variant (run.h).
+template <Variant kVariant>
+struct VariantFlags {
+  static constexpr bool kCausal = kVariant == Variant::kCausal;
+  static constexpr bool kGeneral = kVariant == Variant::kMasked || kVariant == Variant::kDropout;
+  static constexpr bool kDropout = kVariant == Variant::kDropout;
+};
+
+template <typename Element, int kHeadDim, Variant kVariant>
+cudaError_t launch_fwd_variant(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
-  // Masks, score modifiers, dropout: the general kernel (causality from p.is_causal).
-  if (p.mask.active())
-    return p.mask.has_dropout() ? detail::launch_fwd<Traits, false, true, true>(p, stream)
-                                : detail::launch_fwd<Traits, false, true, false>(p, stream);
-  return p.is_causal ? detail::launch_fwd<Traits, true>(p, stream) : detail::launch_fwd<Traits, false>(p, stream);
+  using F = VariantFlags<kVariant>;
+  return detail::launch_fwd<Traits, F::kCausal, F::kGeneral, F::kDropout>(p, stream);
 }
 
-template <typename Element, int kHeadDim>
-cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
+template <typename Element, int kHeadDim, Variant kVariant>
+cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
+  using F = VariantFlags<kVariant>;
   const int64_t rows = p.B * p.T * p.N;
 
   // dq_accum is accumulated with atomics: start from zero (padding rows included).
@@ -76,10 +82,7 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
       <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  err = p.mask.active() && p.mask.has_dropout() ? detail::launch_bwd_main<Traits, false, true, true>(p, stream)
-        : p.mask.active()                          ? detail::launch_bwd_main<Traits, false, true, false>(p, stream)
-        : p.is_causal                              ? detail::launch_bwd_main<Traits, true>(p, stream)
-                                                   : detail::launch_bwd_main<Traits, false>(p, stream);
+  err = detail::launch_bwd_main<Traits, F::kCausal, F::kGeneral, F::kDropout>(p, stream);
   if (err != cudaSuccess) return err;
 
   const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;

@@ -1,5 +1,9 @@
-// Declarations of the per-variant launchers (defined in cuda/instantiations/sm80_*.cu). Light on
-// purpose: api.cu includes this, not the kernels, so the dispatch compiles in seconds.
+// The sm80 entry points run_fwd / run_bwd and the per-variant launchers they pick from.
+//
+// Light on purpose: api.cu includes this, not the kernels, so the dispatch compiles in seconds.
+// Each variant launcher is defined in launch.h and instantiated in its own generated file
+// (cuda/instantiations/sm80_<pass>_<dtype>_hdim<H>_<variant>.cu), so a build compiles the four
+// variants of one head dim in parallel instead of in one long translation unit.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,9 +13,41 @@
 
 namespace jfa::sm80 {
 
+// Which kernel template runs: the plain and causal ones carry no mask code at all; kMasked is the
+// general kernel (every mask, score modifier and d(bias), causality from p.is_causal); kDropout
+// is the general kernel with Philox dropout on P.
+enum class Variant { kPlain, kCausal, kMasked, kDropout };
+
+template <typename Element, int kHeadDim, Variant kVariant>
+cudaError_t launch_fwd_variant(const AttentionParams& p, cudaStream_t stream);
+template <typename Element, int kHeadDim, Variant kVariant>
+cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream);
+
+inline Variant pick_variant(const AttentionParams& p) {
+  if (p.mask.active()) return p.mask.has_dropout() ? Variant::kDropout : Variant::kMasked;
+  return p.is_causal ? Variant::kCausal : Variant::kPlain;
+}
+
 template <typename Element, int kHeadDim>
-cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+  switch (pick_variant(p)) {
+    case Variant::kPlain: return launch_fwd_variant<Element, kHeadDim, Variant::kPlain>(p, stream);
+    case Variant::kCausal: return launch_fwd_variant<Element, kHeadDim, Variant::kCausal>(p, stream);
+    case Variant::kMasked: return launch_fwd_variant<Element, kHeadDim, Variant::kMasked>(p, stream);
+    case Variant::kDropout: return launch_fwd_variant<Element, kHeadDim, Variant::kDropout>(p, stream);
+  }
+  return cudaErrorNotSupported;
+}
+
 template <typename Element, int kHeadDim>
-cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream);
+cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
+  switch (pick_variant(p)) {
+    case Variant::kPlain: return launch_bwd_variant<Element, kHeadDim, Variant::kPlain>(p, stream);
+    case Variant::kCausal: return launch_bwd_variant<Element, kHeadDim, Variant::kCausal>(p, stream);
+    case Variant::kMasked: return launch_bwd_variant<Element, kHeadDim, Variant::kMasked>(p, stream);
+    case Variant::kDropout: return launch_bwd_variant<Element, kHeadDim, Variant::kDropout>(p, stream);
+  }
+  return cudaErrorNotSupported;
+}
 
 }  // namespace jfa::sm80
