@@ -176,10 +176,12 @@ def test_repeated_calls_are_deterministic_in_forward():
                                   np.asarray(f(q, k, v).astype(jnp.float32)))
 
 
-# ---- Masks, bias, soft-capping, ALiBi, dropout on the portable kernels (issue 5) ---------------
+# ---- Masks, bias, soft-capping, ALiBi, dropout (issue 5) ----------------------------------------
 # The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
-# bounds of util.BOUNDS). Any of these keywords routes the forward to the portable kernel (their
-# general path); the backward is always the portable one.
+# bounds of util.BOUNDS). On sm90 the forward of head dims 64/128/256 is the Hopper kernel's
+# general path (dropout excepted); other head dims, dropout and the backward run on the portable
+# kernels' general path. test_mask_features_portable_forward_forced covers the portable forward
+# at a Hopper head dim.
 
 from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape  # noqa: E402
@@ -209,6 +211,20 @@ def test_mask_features_combined_on_gpu(combo, shape):
     for i, name in enumerate(combo):
         kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
     compare_with_reference(seed, GPU_MASK_SHAPES[shape], kw, dtype=BF16)
+
+
+@pytest.mark.parametrize("combo", [("causal", "q_lengths", "kv_lengths", "bottom_right"),
+                                   ("bottom_right_window", "alibi", "kv_lengths"), ("segments", "softcap")],
+                         ids="+".join)
+def test_mask_features_portable_forward_forced(combo, monkeypatch):
+    """JFA_FORCE_SM80=1: the portable forward's general path at head dim 128 (Hopper's otherwise)."""
+    monkeypatch.setenv("JFA_FORCE_SM80", "1")
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
+    kw = {}
+    for i, name in enumerate(combo):
+        kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
+    compare_with_reference(seed, GPU_MASK_SHAPES["big"], kw, dtype=BF16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -15,6 +15,13 @@
 // (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
 // Epilogue: O / rowsum to bf16/fp16 into smem (stmatrix), one TMA store per tile (rows >= T are
 // clipped by TMA), LSE straight from registers.
+//
+// kGeneral (with kCausal = false): masks and score modifiers as policies (jfa/mask.h,
+// jfa/row_policy.cuh; causality from p.attn.is_causal). A tile visits only the key blocks of its
+// position range (causal with either alignment, window, valid lengths): that is its trip count.
+// Blocks that position_tile_kind proves full get the score modifiers only; the others, and every
+// block when segment ids or a boolean mask exist, get the per-element predicate too. A tile that
+// sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual way.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,7 +29,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "jfa/params.h"
 #include "kernel_traits.h"
+#include "mask.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -69,15 +78,17 @@ struct KernelParams {
   float scale_log2;
   int T, S, group;  // group = N / K query heads per K/V head
   int num_tiles;
+  AttentionParams attn;  // the whole call: the general path reads its masks and modifiers here
 };
 
 // Named barriers (ids after CUTLASS's reserved ones): one for the epilogue of all consumers, and
 // one per consumer warpgroup for the ping-pong schedule.
 enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
 
-template <typename Traits, bool kCausal>
+template <typename Traits, bool kCausal, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal> const sched) {
+    fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kGeneral> const sched) {
+  static_assert(!(kCausal && kGeneral), "the general path takes causality from p.attn");
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
@@ -112,10 +123,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor sO = make_tensor(make_smem_ptr(Traits::kOAliasesQ ? ss.q.data() : ss.o.data()),
                           typename Traits::SmemLayoutO{});
 
-  auto n_blocks = [&](int m_block) {
-    int n = (p.S + kBlockN - 1) / kBlockN;
-    if constexpr (kCausal) n = min(n, (m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
-    return n;
+  // Key blocks [x, y) that a tile visits, walked from y - 1 down to x.
+  auto block_range = [&](const TileCoord& t) {
+    if constexpr (kGeneral) {
+      const KeyRange r = key_range(p.attn, sequence_bounds(p.attn, t.batch), int64_t(t.m_block) * kBlockM, kBlockM);
+      if (r.end <= r.begin) return make_int2(0, 1);  // no key: block 0, fully masked
+      return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
+    } else {
+      int n = (p.S + kBlockN - 1) / kBlockN;
+      if constexpr (kCausal) n = min(n, (t.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
+      return make_int2(0, n);
+    }
   };
 
   if (warp_group == 0) {
@@ -145,7 +163,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         pipeline_v.producer_acquire(st);
         copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
-      int n = n_blocks(t.m_block) - 1;
+      const int2 range = block_range(t);
+      int n = range.y - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
       if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
@@ -154,13 +173,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
       // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
 #pragma unroll 1
-      for (; n > 0; --n) {
+      for (; n > range.x; --n) {
         PipelineState write_v = write;
         ++write;
         load_k(n - 1, write);
         load_v(n, write_v);
       }
-      load_v(0, write);
+      load_v(range.x, write);
       ++write;
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
@@ -188,6 +207,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(cO_rc))::value;
@@ -202,7 +222,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++iter) {
     const TileCoord t = sched.get(tile);
     const int m0 = t.m_block * kBlockM;
-    int n = n_blocks(t.m_block) - 1;
+    const int2 range = block_range(t);
+    int n = range.y - 1;
+    // General path: the scores of block n to logits in log2 units, masked where the tile needs it.
+    // (The plain path folds scale_log2 into the softmax instead.)
+    [[maybe_unused]] const SequenceBounds bounds = kGeneral ? sequence_bounds(p.attn, t.batch) : SequenceBounds{};
+    auto general_scores = [&](auto& scores_rc, int n_block) {
+      const bool partial = general_tile_partial(p.attn, bounds, m0, kBlockM, n_block * kBlockN, kBlockN);
+      apply_policy(scores_rc, cS_rc, p.attn, bounds, t.batch, t.head, m0, n_block * kBlockN, partial);
+    };
+    constexpr float kSoftmaxScale = 1.f;  // general path: logits already in log2 units
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
@@ -219,13 +248,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipeline_k.consumer_release(read);
-    apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
-    softmax.template update<true>(tSrS_rc, p.scale_log2, o_scale);
+    if constexpr (kGeneral) {
+      general_scores(tSrS_rc, n);
+      softmax.template update<true>(tSrS_rc, kSoftmaxScale, o_scale);
+    } else {
+      apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
+      softmax.template update<true>(tSrS_rc, p.scale_log2, o_scale);
+    }
     convert(tSrS, tOrP);
     clear(tOrO);
 
 #pragma unroll 1
-    for (--n; n >= 0; --n) {
+    for (--n; n >= range.x; --n) {
       PipelineState read_v = read;  // V of the previous block
       ++read;
       pipeline_k.consumer_wait(read);
@@ -237,8 +271,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       sched_arrive();
       warpgroup_wait<1>();  // S is ready; P·V still running
       pipeline_k.consumer_release(read);
-      if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
-      softmax.template update<false>(tSrS_rc, p.scale_log2, o_scale);
+      if constexpr (kGeneral) {
+        general_scores(tSrS_rc, n);
+        softmax.template update<false>(tSrS_rc, kSoftmaxScale, o_scale);
+      } else {
+        if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
+        softmax.template update<false>(tSrS_rc, p.scale_log2, o_scale);
+      }
       warpgroup_wait<0>();
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
@@ -250,7 +289,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     pipeline_v.consumer_wait(read);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
     float lse[kRows];
-    softmax.finalize(p.scale_log2, o_scale, lse);
+    softmax.finalize(kGeneral ? kSoftmaxScale : p.scale_log2, o_scale, lse);
     warpgroup_wait<0>();
     pipeline_v.consumer_release(read);
     ++read;

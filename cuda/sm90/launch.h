@@ -23,7 +23,7 @@ inline GmemStride gmem_stride(const Strides& s, int64_t heads, int64_t batch) {
   return GmemStride{s.row, _1{}, heads == 1 ? s.row : s.head, batch == 1 ? s.row : s.batch};
 }
 
-template <typename Traits, bool kCausal>
+template <typename Traits, bool kCausal, bool kGeneral = false>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   const GmemShape shape_q{int(p.T), int(p.H), int(p.N), int(p.B)};
@@ -37,10 +37,11 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   KernelParams<Traits> kp{make_tma_q<Traits>(q), make_tma_kv<Traits>(k), make_tma_kv<Traits>(v), make_tma_o<Traits>(o),
                           shape_q, shape_kv, p.lse, p.lse_strides.batch, p.lse_strides.row,
                           p.lse_strides.head, p.scale_log2, int(p.T), int(p.S), int(p.N / p.K),
-                          int(num_m_blocks * p.N * p.B)};
-  const TileScheduler<kCausal> sched{num_m_blocks, int(p.N), int(p.N * p.B)};
+                          int(num_m_blocks * p.N * p.B), p};
+  // Masked tiles run longest first too: their trip counts differ like causal ones.
+  const TileScheduler<kCausal || kGeneral> sched{num_m_blocks, int(p.N), int(p.N * p.B)};
 
-  auto kernel = &fwd_kernel<Traits, kCausal>;
+  auto kernel = &fwd_kernel<Traits, kCausal, kGeneral>;
   constexpr int smem = int(sizeof(SharedStorage<Traits>));
   static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -55,6 +56,10 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+  // Masks and score modifiers: the general kernel, on causal's tile shape (its registers leave
+  // room for the policy code).
+  if (p.mask.active())
+    return detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, false, true>(p, stream);
   return p.is_causal
              ? detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true>(p, stream)
              : detail::launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false>(p, stream);

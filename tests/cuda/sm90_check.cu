@@ -5,6 +5,7 @@
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only
+// ./harness --masks   timing of the masked forward against plain causal (issue 5's speed table)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,7 +19,9 @@
 #include <thread>
 #include <vector>
 
+#include "jfa/mask.h"
 #include "jfa/params.h"
+#include "jfa/score_mod.h"
 #ifndef JFA_CHECK_NO_SM80
 #include "sm80/api.h"
 #endif
@@ -59,12 +62,90 @@ static uint16_t from_float(float f, DType dt) {
   return u;
 }
 
+// Masking features of a case (the general path); 0 = the plain/causal kernels.
+enum Feature : int {
+  kWindow = 1, kBottomRight = 2, kLengths = 4, kSegments = 8, kSoftcap = 16, kAlibi = 32, kBias = 64,
+  kMask = 128
+};
+
 struct Config {
   int B, T, S, N, K, H;
   bool causal;
   DType dt;
   int pad;  // extra elements per row (non-packed strides, a multiple of 8 so TMA takes them)
+  int features = 0;
 };
+
+// Host and device copies of a case's mask operands; `host` points into the vectors (for the
+// reference, which calls jfa::visible / jfa::modify_score itself), `device` into GPU buffers.
+struct MaskOperands {
+  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg;
+  std::vector<float> slopes, bias;
+  std::vector<uint8_t> mask;
+  jfa::MaskParams host, device;
+  std::vector<void*> buffers;
+
+  template <typename V>
+  const typename V::value_type* upload(const V& h) {
+    if (h.empty()) return nullptr;
+    void* d;
+    CK(cudaMalloc(&d, h.size() * sizeof(h[0])));
+    CK(cudaMemcpy(d, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice));
+    buffers.push_back(d);
+    return static_cast<const typename V::value_type*>(d);
+  }
+  ~MaskOperands() {
+    for (void* b : buffers) cudaFree(b);
+  }
+};
+
+// Sorted segment ids (packed sequences) of `len` positions with `count` segments of random sizes.
+static std::vector<int32_t> packed_segments(int len, int count, std::mt19937& rng) {
+  std::vector<int32_t> ids(len);
+  for (auto& x : ids) x = int32_t(rng() % count);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
+  jfa::MaskParams& h = m.host;
+  if (c.features & kWindow) { h.window_left = 37; h.window_right = 5; }
+  h.bottom_right = (c.features & kBottomRight) != 0;
+  if (c.features & kLengths)
+    for (int b = 0; b < c.B; ++b) {
+      // Batch 0 keeps a few rows and keys (b = 0 may even have no query); the others random.
+      m.q_len.push_back(b == 0 ? int(rng() % 3) : int(rng() % (c.T + 1)));
+      m.kv_len.push_back(b == 0 ? 1 + int(rng() % 5) : int(rng() % (c.S + 1)));
+    }
+  if (c.features & kSegments)
+    for (int b = 0; b < c.B; ++b) {
+      auto q = packed_segments(c.T, 3, rng), k = packed_segments(c.S, 3, rng);
+      m.q_seg.insert(m.q_seg.end(), q.begin(), q.end());
+      m.kv_seg.insert(m.kv_seg.end(), k.begin(), k.end());
+    }
+  if (c.features & kSoftcap) h.softcap = 4.f;
+  std::uniform_real_distribution<float> ud(0.01f, 0.3f);
+  if (c.features & kAlibi)
+    for (int n = 0; n < c.N; ++n) m.slopes.push_back(ud(rng));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  if (c.features & kBias) {  // [1, N, 1, S]: broadcast over batch and queries
+    for (int i = 0; i < c.N * c.S; ++i) m.bias.push_back(nd(rng));
+    h.bias_strides = jfa::Strides4{0, c.S, 0, 1};
+  }
+  if (c.features & kMask) {  // [B, 1, T, S]
+    for (int64_t i = 0; i < int64_t(c.B) * c.T * c.S; ++i) m.mask.push_back(rng() % 5 != 0);
+    h.mask_strides = jfa::Strides4{int64_t(c.T) * c.S, 0, c.S, 1};
+  }
+  auto ptr = [](auto& v) { return v.empty() ? nullptr : v.data(); };
+  h.q_lengths = ptr(m.q_len); h.kv_lengths = ptr(m.kv_len);
+  h.q_segment_ids = ptr(m.q_seg); h.kv_segment_ids = ptr(m.kv_seg);
+  h.alibi_slopes = ptr(m.slopes); h.bias = ptr(m.bias); h.mask = ptr(m.mask);
+  m.device = h;
+  m.device.q_lengths = m.upload(m.q_len); m.device.kv_lengths = m.upload(m.kv_len);
+  m.device.q_segment_ids = m.upload(m.q_seg); m.device.kv_segment_ids = m.upload(m.kv_seg);
+  m.device.alibi_slopes = m.upload(m.slopes); m.device.bias = m.upload(m.bias);
+  m.device.mask = m.upload(m.mask);
+}
 
 // Host copy of a [B, rows, heads, H] tensor with row stride heads*H + pad, plus `guard` rows
 // after the end that must never be written.
@@ -111,6 +192,11 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   p.is_causal = c.causal;
+  MaskOperands masks;
+  make_masks(c, masks, rng);
+  p.mask = masks.device;
+  AttentionParams ph = p;  // the reference's view: host copies of the mask operands
+  ph.mask = masks.host;
   p.q = upload(q.data); p.k = upload(k.data); p.v = upload(v.data);
   p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
   const size_t o_elems = o.size(), rows = size_t(c.B) * c.T * c.N;
@@ -146,19 +232,31 @@ static void run_case(const Config& c, std::mt19937& rng) {
   auto work = [&](int bn) {
     const int b = bn / c.N, n = bn % c.N, kh = n / G;
     std::vector<double> s(c.S);
+    const jfa::SequenceBounds bounds = jfa::sequence_bounds(ph, b);
     for (int t = 0; t < c.T; ++t) {
-      const int smax = c.causal ? std::min(c.S, t + 1) : c.S;
+      const int smax = c.causal && !c.features ? std::min(c.S, t + 1) : c.S;
       double m = -INFINITY;
       for (int j = 0; j < smax; ++j) {
+        if (c.features && !jfa::visible(ph, bounds, b, n, t, j)) {
+          s[j] = -INFINITY;
+          continue;
+        }
         double acc = 0;
         for (int d = 0; d < c.H; ++d)
           acc += double(qf[q.idx(b, t, n, d)]) * kf[k.idx(b, j, kh, d)];
         s[j] = acc * scale;
+        if (c.features)  // the shared modifier works in log2 units, in float like the kernels
+          s[j] = jfa::modify_score(ph, bounds, b, n, t, j, float(s[j] * M_LOG2E), nullptr) / M_LOG2E;
         m = std::max(m, s[j]);
+      }
+      const size_t row = (size_t(b) * c.T + t) * c.N + n;
+      if (m == -INFINITY) {  // no visible key: o = 0, lse = -inf
+        ref_lse[row] = -INFINITY;
+        for (int d = 0; d < c.H; ++d) ref_o[row * c.H + d] = 0;
+        continue;
       }
       double l = 0;
       for (int j = 0; j < smax; ++j) l += (s[j] = std::exp(s[j] - m));
-      const size_t row = (size_t(b) * c.T + t) * c.N + n;
       ref_lse[row] = m + std::log(l);
       for (int d = 0; d < c.H; ++d) {
         double acc = 0;
@@ -177,11 +275,16 @@ static void run_case(const Config& c, std::mt19937& rng) {
   for (auto& th : pool) th.join();
 
   double num = 0, den = 0, lnum = 0, lden = 0;
-  bool finite = true;
+  bool finite = true, empty_rows_ok = true;
   for (int b = 0; b < c.B; ++b)
     for (int t = 0; t < c.T; ++t)
       for (int n = 0; n < c.N; ++n) {
         const size_t row = (size_t(b) * c.T + t) * c.N + n;
+        if (std::isinf(ref_lse[row])) {  // a row that sees no key: exactly o = 0, lse = -inf
+          empty_rows_ok = empty_rows_ok && std::isinf(h_lse[row]) && h_lse[row] < 0;
+          for (int d = 0; d < c.H; ++d) empty_rows_ok = empty_rows_ok && to_float(h_o[o.idx(b, t, n, d)], c.dt) == 0.f;
+          continue;
+        }
         for (int d = 0; d < c.H; ++d) {
           const double x = to_float(h_o[o.idx(b, t, n, d)], c.dt), r = ref_o[row * c.H + d];
           finite = finite && std::isfinite(x);
@@ -202,22 +305,67 @@ static void run_case(const Config& c, std::mt19937& rng) {
   for (size_t i = rows; i < rows + kGuard; ++i) untouched = untouched && std::isnan(h_lse[i]);
   const double err = std::sqrt(num / std::max(den, 1e-30)), lerr = std::sqrt(lnum / std::max(lden, 1e-30));
   const double tol = c.dt == DType::kBFloat16 ? 2e-2 : 3e-3;
-  const bool ok = finite && untouched && err <= tol && lerr <= 1e-4;
+  const bool ok = finite && untouched && empty_rows_ok && err <= tol && lerr <= 1e-4;
   if (!ok) ++g_failures;
-  printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d pad=%d | rel o %.2e lse %.2e%s%s\n", ok ? "PASS" : "FAIL", dtn,
-         c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.pad, err, lerr, finite ? "" : " NONFINITE",
-         untouched ? "" : " WROTE-OUTSIDE");
+  printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d pad=%d features=%d | rel o %.2e lse %.2e%s%s%s\n",
+         ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.pad, c.features, err, lerr,
+         finite ? "" : " NONFINITE", untouched ? "" : " WROTE-OUTSIDE", empty_rows_ok ? "" : " EMPTY-ROWS-WRONG");
   fflush(stdout);
   for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, d_o, (void*)d_lse}) CK(cudaFree(ptr));
 }
 
-static void bench(DType dt, int H, int B, int T, int N, bool causal) {
+// Masks of the speed table (issue 5): causal attention plus one feature, on T = S (B = 1).
+enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap };
+static const char* bench_mask_name(BenchMask m) {
+  switch (m) {
+    case BenchMask::kNone: return "plain";
+    case BenchMask::kWindow: return "window(2048,0)";
+    case BenchMask::kAlibi: return "alibi";
+    case BenchMask::kSegments: return "segments(4 x T/4)";
+    case BenchMask::kSoftcap: return "softcap";
+  }
+  return "?";
+}
+
+static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask bm = BenchMask::kNone) {
   if (!jfa::sm90::is_built(dt, H)) return;
   AttentionParams p;
   p.B = B; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
   p.scale = 1.f / std::sqrt(float(H));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.is_causal = causal;
+  MaskOperands masks;
+  if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
+  if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
+  if (bm == BenchMask::kAlibi)
+    for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
+  if (bm == BenchMask::kSegments)
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < T; ++i) masks.q_seg.push_back(i / (T / 4));
+  masks.kv_seg = masks.q_seg;
+  masks.host.alibi_slopes = masks.slopes.empty() ? nullptr : masks.slopes.data();
+  masks.host.q_segment_ids = masks.q_seg.empty() ? nullptr : masks.q_seg.data();
+  masks.host.kv_segment_ids = masks.kv_seg.empty() ? nullptr : masks.kv_seg.data();
+  // Useful FLOPs: 4·H per visible (query, key) pair, pairs counted with the shared policies.
+  AttentionParams ph = p;
+  ph.mask = masks.host;
+  double pairs = 0;
+  for (int b = 0; b < B; ++b) {
+    const jfa::SequenceBounds sb = jfa::sequence_bounds(ph, b);
+    for (int i = 0; i < T; ++i) {
+      int64_t lo = jfa::key_lo(ph, sb, i), hi = jfa::key_hi(ph, sb, i);
+      if (bm == BenchMask::kSegments) {
+        const int64_t len = T / 4, seg0 = i / len * len;
+        lo = std::max(lo, seg0);
+        hi = std::min(hi, seg0 + len);
+      }
+      pairs += double(std::max<int64_t>(hi - lo, 0));
+    }
+  }
+  p.mask = masks.host;
+  p.mask.alibi_slopes = masks.upload(masks.slopes);
+  p.mask.q_segment_ids = masks.upload(masks.q_seg);
+  p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
   const size_t n = size_t(B) * T * N * H, rows = size_t(B) * T * N;
   std::vector<uint16_t> h(n);
   std::mt19937 rng(1);
@@ -258,16 +406,18 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  const double flops = 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0);
+  const double flops = bm == BenchMask::kNone ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0)
+                                              : 4.0 * pairs * N * H;
   const float t90 = time(true);
 #ifdef JFA_CHECK_NO_SM80
   const float t80 = 0.f;
 #else
   const float t80 = jfa::sm80::is_built(dt, H) ? time(false) : 0.f;
 #endif
-  printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d | sm90 fwd %.3f ms %.1f TFLOP/s | sm80 fwd %.3f ms %.1f TFLOP/s\n",
-         dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, t90, flops / t90 * 1e-9, t80,
-         t80 > 0 ? flops / t80 * 1e-9 : 0.0);
+  printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d mask=%s | sm90 fwd %.3f ms %.1f TFLOP/s | sm80 fwd %.3f ms %.1f "
+         "TFLOP/s (useful FLOPs)\n",
+         dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, bench_mask_name(bm), t90, flops / t90 * 1e-9,
+         t80, t80 > 0 ? flops / t80 * 1e-9 : 0.0);
   fflush(stdout);
   for (auto& b : bufs) CK(cudaFree(b));
   CK(cudaFree(lse));
@@ -276,7 +426,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  const bool small = mode == "--small", bench_only = mode == "--bench";
+  const bool small = mode == "--small", masks_only = mode == "--masks";
+  const bool bench_only = mode == "--bench" || masks_only;
   const unsigned seed = std::random_device{}();
   printf("seed: %u\n", seed);
   std::mt19937 rng(seed);
@@ -288,6 +439,10 @@ int main(int argc, char** argv) {
         cases.push_back({1, 17, 33, 2, 1, H, causal, BF, 0});
         cases.push_back({2, 200, 150, 2, 2, H, causal, FP, 8});
       }
+    for (int H : {64, 128, 256}) {  // the general (masked) path
+      cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
+      cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
+    }
   } else if (!bench_only) {
     const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}, {384, 384}};
     for (DType dt : {BF, FP})
@@ -301,12 +456,27 @@ int main(int argc, char** argv) {
         cases.push_back({2, 255, 300, 4, 2, H, causal, BF, 8});    // non-packed strides
         cases.push_back({3, 1100, 1100, 16, 4, H, causal, BF, 0}); // many tiles per CTA (persistent)
       }
+    const int kAll = kWindow | kBottomRight | kLengths | kSegments | kSoftcap | kAlibi | kBias | kMask;
+    for (int H : {64, 128, 256}) {  // the general path: each feature, then combinations
+      int i = 0;
+      for (int f : std::initializer_list<int>{kWindow, kWindow | kBottomRight, kBottomRight, kLengths, kSegments,
+                                              kSoftcap, kAlibi, kBias, kMask})
+        cases.push_back({2, 255, 300, 4, 2, H, (i++ & 1) == 0, BF, 0, f});
+      cases.push_back({2, 300, 255, 4, 2, H, true, BF, 0, kBottomRight | kLengths});  // T > S, bottom-right
+      cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
+      cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
+    }
   }
   for (auto& c : cases) run_case(c, rng);
-  if (!small) {
+  if (!small && !masks_only) {
     for (int H : {64, 128, 256})
       for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
   }
+  if (masks_only)
+    for (int H : {64, 128, 256})
+      for (BenchMask m : {BenchMask::kNone, BenchMask::kWindow, BenchMask::kAlibi, BenchMask::kSegments,
+                          BenchMask::kSoftcap})
+        bench(BF, H, 1, 16384, 2048 / H, true, m);
   printf("%d failures\n", g_failures);
   return g_failures ? 1 : 0;
 }

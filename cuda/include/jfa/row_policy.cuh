@@ -1,0 +1,97 @@
+// Per-row mask and score-modifier policy of the CUDA kernels' general paths (sm80 forward and
+// backward, sm90 forward): jfa::visible and jfa::modify_score (mask.h, score_mod.h) with what
+// depends only on the query row hoisted out of the per-element loop. Device code only.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "jfa/mask.h"
+#include "jfa/params.h"
+#include "jfa/score_mod.h"
+
+namespace jfa {
+
+// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile needs the per-element predicate.
+__forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, const SequenceBounds& s, int m0,
+                                                     int bm, int n0, int bn) {
+  return position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull || p.mask.q_segment_ids != nullptr ||
+         p.mask.mask != nullptr;
+}
+
+// jfa::visible and jfa::modify_score for one query row, with what depends only on the row
+// (position bounds from jfa::key_lo / key_hi, the segment id, row pointers into the mask and the
+// bias, the ALiBi slope) computed once, in 32-bit where it fits: the per-element work of a thread's
+// rows stays a few compares and loads. Same semantics as the shared functions (tests/cuda/
+// sm80_check.cu compares against a reference that calls jfa::visible itself).
+struct RowPolicy {
+  int lo, hi;       // keys [lo, hi) visible by position; empty past the valid query length
+  int seg;          // the row's segment id (with segment ids)
+  int pos;          // i + offset: the row's key-aligned position (ALiBi)
+  float slope;      // ALiBi slope (0 without)
+  const int32_t* kv_seg;  // this batch element's kv segment ids, or null
+  const uint8_t* mask;    // the row of the boolean mask, or null
+  const float* bias;      // the row of the bias, or null
+  int mask_col, bias_col;  // column strides: 1, or 0 on a broadcast key axis (packed operands)
+};
+
+__forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const SequenceBounds& s, int64_t b,
+                                                int64_t n, int i) {
+  const MaskParams& m = p.mask;
+  RowPolicy r;
+  const bool valid = i < s.q_len;
+  r.lo = valid ? int(key_lo(p, s, i)) : 0;
+  r.hi = valid ? int(key_hi(p, s, i)) : 0;
+  r.pos = int(i + s.offset);
+  r.kv_seg = m.q_segment_ids != nullptr ? m.kv_segment_ids + b * p.S : nullptr;
+  r.seg = m.q_segment_ids != nullptr && valid ? m.q_segment_ids[b * p.T + i] : 0;
+  r.mask = m.mask != nullptr ? m.mask + b * m.mask_strides.batch + n * m.mask_strides.head +
+                                   int64_t(i) * m.mask_strides.row
+                             : nullptr;
+  r.mask_col = int(m.mask_strides.col);
+  r.bias = m.bias != nullptr ? m.bias + b * m.bias_strides.batch + n * m.bias_strides.head +
+                                   int64_t(i) * m.bias_strides.row
+                             : nullptr;
+  r.bias_col = int(m.bias_strides.col);
+  r.slope = m.alibi_slopes != nullptr ? m.alibi_slopes[b * m.alibi_batch_stride + n] : 0.f;
+  return r;
+}
+
+// jfa::visible(p, s, b, n, i, j) for the row of r (rows past T are outside [lo, hi) too).
+__forceinline__ __device__ bool row_visible(const RowPolicy& r, int j) {
+  if (j < r.lo || j >= r.hi) return false;
+  if (r.kv_seg != nullptr && r.kv_seg[j] != r.seg) return false;
+  if (r.mask != nullptr && r.mask[j * r.mask_col] == 0) return false;
+  return true;
+}
+
+// Final logit (log2 units) of key j from the raw q·k; -inf if hidden (checked on partial tiles
+// only). grad (may be null) receives d(final)/d(raw · scale_log2): 1 - tanh² with soft-capping,
+// else 1 (0 when hidden). The arithmetic of jfa::modify_score / additive_bias, in its order.
+__forceinline__ __device__ float row_logit(const AttentionParams& p, const RowPolicy& r, int j, float raw,
+                                           bool partial, float* grad) {
+  if (partial && !row_visible(r, j)) {
+    if (grad != nullptr) *grad = 0.f;
+    return -INFINITY;
+  }
+  float x = raw * p.scale_log2;
+  if (grad != nullptr) *grad = 1.f;
+  if (p.mask.softcap > 0.f) {
+    const float c2 = p.mask.softcap * kLog2eF;
+    const float t = tanhf(x / c2);
+    x = c2 * t;
+    if (grad != nullptr) *grad = 1.f - t * t;
+  }
+  if (r.bias != nullptr || p.mask.alibi_slopes != nullptr) {
+    float add = 0.f;
+    if (r.bias != nullptr) add += r.bias[j * r.bias_col];
+    if (p.mask.alibi_slopes != nullptr) {
+      const int d = r.pos - j;
+      add -= r.slope * float(d < 0 ? -d : d);
+    }
+    x += add * kLog2eF;
+  }
+  return x;
+}
+
+}  // namespace jfa
