@@ -57,21 +57,24 @@ def test_bias_dtype_is_kept_for_its_gradient(dtype):
     assert rel_err(dbias, ref) <= 8e-2, f"seed {seed}"
 
 
-def test_everything_at_once():
-    """bias and mask with every position mask, softcap and ALiBi."""
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 70, 90, 4, 2, 32
+def check_everything_at_once(seed, shape, window_left, kv_len1, dtype=jnp.float32):
+    """bias and mask with every position mask, segment ids, softcap and ALiBi (B = 2)."""
+    B, T, S, N, K, H = shape
     rng = np.random.default_rng(seed)
     ids_q = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32)
     ids_k = jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), 1), jnp.int32)
     kw = dict(mask=jax.random.bernoulli(jax.random.key(seed + 3), 0.8, (1, N, T, S)),
-              is_causal=True, causal_alignment="bottom_right", local_window_size=(50, 3),
-              query_seq_lengths=jnp.array([60, 70], jnp.int32),
-              key_value_seq_lengths=jnp.array([90, 81], jnp.int32),
+              is_causal=True, causal_alignment="bottom_right", local_window_size=(window_left, 3),
+              query_seq_lengths=jnp.array([T - 10, T], jnp.int32),
+              key_value_seq_lengths=jnp.array([S, kv_len1], jnp.int32),
               q_segment_ids=ids_q, kv_segment_ids=ids_k, softcap=4.0,
               alibi_slopes=jnp.linspace(0.05, 0.3, N))
     bias = jax.random.normal(jax.random.key(seed + 4), (B, 1, T, S))
-    compare_with_reference(seed, (B, T, S, N, K, H), kw, bias=bias)
+    compare_with_reference(seed, shape, kw, dtype=dtype, bias=bias)
+
+
+def test_everything_at_once():
+    check_everything_at_once(fresh_seed(), (2, 70, 90, 4, 2, 32), window_left=50, kv_len1=81)
 
 
 @pytest.mark.parametrize("bias_axes", ["BNTS", "NTS"])

@@ -64,14 +64,18 @@ def test_traced_key_under_jit_matches_eager():
                                 dict(local_window_size=(10, 10), softcap=3.0)],
                          ids=["plain", "causal+lengths", "window+softcap"])
 def test_forward_and_gradients_match_reference_with_the_same_mask(kw):
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 70, 45, 4, 2, 32
+    check_dropout_against_reference(fresh_seed(), (2, 70, 45, 4, 2, 32), kw)
+
+
+def check_dropout_against_reference(seed, shape, kw, dtype=jnp.float32):
+    """Dropout (rate 0.25, with a bias) against the reference given the same keep mask."""
+    B, T, S, N, K, H = shape
     rng, rate = jax.random.key(seed + 5), 0.25
     kw = {name: jnp.asarray(x, jnp.int32) if name.endswith("lengths") else x for name, x in kw.items()}
     keep = dropout.keep_mask(rng, rate, (B, N, T, S))
     bias = jax.random.normal(jax.random.key(seed + 6), (1, N, 1, S))
-    compare_with_reference(seed, (B, T, S, N, K, H), dict(kw, dropout_rate=rate, dropout_rng=rng),
-                           ref_kw=dict(kw, dropout_rate=rate, dropout_keep=keep), bias=bias)
+    compare_with_reference(seed, shape, dict(kw, dropout_rate=rate, dropout_rng=rng),
+                           ref_kw=dict(kw, dropout_rate=rate, dropout_keep=keep), dtype=dtype, bias=bias)
 
 
 def test_vmap_keeps_each_examples_mask():

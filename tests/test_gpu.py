@@ -184,8 +184,10 @@ def test_repeated_calls_are_deterministic_in_forward():
 # at a Hopper head dim.
 
 from jax_flashattn import dropout as _dropout  # noqa: E402
-from test_bias_mask import BROADCASTS, _shape as _bias_shape  # noqa: E402
-from test_masks import COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, _lengths  # noqa: E402
+from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
+from test_dropout import check_dropout_against_reference  # noqa: E402
+from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, check_combined,  # noqa: E402
+                        check_fully_masked_rows, check_low_precision_combination)
 from util import compare_with_reference  # noqa: E402
 
 # Kernel tiles are larger on the GPU (forward 128 x 64..128, backward 64..128 x 64..128): "big"
@@ -205,12 +207,7 @@ def test_mask_feature_on_gpu(feature, shape):
 @pytest.mark.parametrize("combo", COMBOS, ids="+".join)
 @pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one", "big"])
 def test_mask_features_combined_on_gpu(combo, shape):
-    seed = fresh_seed()
-    B, T, S, N, K, H = GPU_MASK_SHAPES[shape]
-    kw = {}
-    for i, name in enumerate(combo):
-        kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
-    compare_with_reference(seed, GPU_MASK_SHAPES[shape], kw, dtype=BF16)
+    check_combined(fresh_seed(), GPU_MASK_SHAPES[shape], combo, dtype=BF16)
 
 
 @pytest.mark.parametrize("combo", [("causal", "q_lengths", "kv_lengths", "bottom_right"),
@@ -219,33 +216,17 @@ def test_mask_features_combined_on_gpu(combo, shape):
 def test_mask_features_portable_forward_forced(combo, monkeypatch):
     """JFA_FORCE_SM80=1: the portable forward's general path at head dim 128 (Hopper's otherwise)."""
     monkeypatch.setenv("JFA_FORCE_SM80", "1")
-    seed = fresh_seed()
-    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
-    kw = {}
-    for i, name in enumerate(combo):
-        kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
-    compare_with_reference(seed, GPU_MASK_SHAPES["big"], kw, dtype=BF16)
+    check_combined(fresh_seed(), GPU_MASK_SHAPES["big"], combo, dtype=BF16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_mask_combined_both_dtypes_on_gpu(dtype):
-    seed = fresh_seed()
-    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
-    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(140, 0),
-              softcap=5.0, key_value_seq_lengths=_lengths(seed, B, S, low=1),
-              alibi_slopes=jnp.full((N,), 0.05, jnp.float32))
-    compare_with_reference(seed, GPU_MASK_SHAPES["big"], kw, dtype=dtype)
+    check_low_precision_combination(fresh_seed(), GPU_MASK_SHAPES["big"], 140, dtype)
 
 
 def test_fully_masked_rows_on_gpu():
     """Rows past their length and rows whose window holds no key: o = 0, lse = -inf, no grads."""
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 150, 140, 2, 1, 64
-    kw = dict(query_seq_lengths=jnp.array([70, 0], jnp.int32), local_window_size=(0, 30),
-              causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([140, 5], jnp.int32))
-    out, lse, grads = compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16)
-    assert np.all(np.isneginf(np.asarray(lse[1])))
-    assert not np.any(np.asarray(grads[0][1], np.float32))
+    check_fully_masked_rows(fresh_seed(), (2, 150, 140, 2, 1, 64), q_len0=70, kv_len1=5, dtype=BF16)
 
 
 @pytest.mark.parametrize("axes", BROADCASTS)
@@ -268,19 +249,7 @@ def test_boolean_mask_on_gpu(axes):
 
 
 def test_everything_at_once_on_gpu():
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 170, 190, 4, 2, 64
-    rng = np.random.default_rng(seed)
-    ids_q = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32)
-    ids_k = jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), 1), jnp.int32)
-    kw = dict(mask=jax.random.bernoulli(jax.random.key(seed + 3), 0.8, (1, N, T, S)),
-              is_causal=True, causal_alignment="bottom_right", local_window_size=(90, 3),
-              query_seq_lengths=jnp.array([160, 170], jnp.int32),
-              key_value_seq_lengths=jnp.array([190, 131], jnp.int32),
-              q_segment_ids=ids_q, kv_segment_ids=ids_k, softcap=4.0,
-              alibi_slopes=jnp.linspace(0.05, 0.3, N))
-    bias = jax.random.normal(jax.random.key(seed + 4), (B, 1, T, S))
-    compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias)
+    check_everything_at_once(fresh_seed(), (2, 170, 190, 4, 2, 64), window_left=90, kv_len1=131, dtype=BF16)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
@@ -303,14 +272,7 @@ def test_dropout_mask_is_the_numpy_philox_mask_on_gpu(rate):
                                 dict(local_window_size=(40, 40), softcap=3.0)],
                          ids=["plain", "causal+lengths", "window+softcap"])
 def test_dropout_forward_and_gradients_on_gpu(kw):
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 170, 145, 4, 2, 64
-    rng, rate = jax.random.key(seed + 5), 0.25
-    kw = {name: jnp.asarray(x, jnp.int32) if name.endswith("lengths") else x for name, x in kw.items()}
-    keep = _dropout.keep_mask(rng, rate, (B, N, T, S))
-    bias = jax.random.normal(jax.random.key(seed + 6), (1, N, 1, S))
-    compare_with_reference(seed, (B, T, S, N, K, H), dict(kw, dropout_rate=rate, dropout_rng=rng),
-                           ref_kw=dict(kw, dropout_rate=rate, dropout_keep=keep), dtype=BF16, bias=bias)
+    check_dropout_against_reference(fresh_seed(), (2, 170, 145, 4, 2, 64), kw, dtype=BF16)
 
 
 def test_deterministic_is_refused_on_gpu():

@@ -73,36 +73,53 @@ COMBOS = [
 ]
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
-@pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one"])
-def test_features_combined(combo, shape):
-    seed = fresh_seed()
-    B, T, S, N, K, H = SHAPES[shape]
+def combo_keywords(combo, seed, B, T, S, N):
+    """The keywords of several features together, each drawn from its own seed."""
     kw = {}
     for i, name in enumerate(combo):
         kw.update(_keywords(name, seed + 10 * i, B, T, S, N))
-    compare_with_reference(seed, SHAPES[shape], kw)
+    return kw
+
+
+def check_combined(seed, shape, combo, dtype=jnp.float32):
+    B, T, S, N, K, H = shape
+    compare_with_reference(seed, shape, combo_keywords(combo, seed, B, T, S, N), dtype=dtype)
+
+
+def check_low_precision_combination(seed, shape, window, dtype):
+    """Causal bottom-right with a window, softcap, kv lengths and ALiBi, in fp16/bf16."""
+    B, T, S, N, K, H = shape
+    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(window, 0),
+              softcap=5.0, key_value_seq_lengths=_lengths(seed, B, S, low=1),
+              alibi_slopes=jnp.full((N,), 0.05, jnp.float32))
+    compare_with_reference(seed, shape, kw, dtype=dtype)
+
+
+def check_fully_masked_rows(seed, shape, q_len0, kv_len1, dtype=jnp.float32):
+    """Batch element 0 has rows past its length (and, bottom-right, rows whose window holds no
+    key); element 1 has no query at all: 0 / -inf / no gradient."""
+    B, T, S, N, K, H = shape
+    kw = dict(query_seq_lengths=jnp.array([q_len0, 0], jnp.int32), local_window_size=(0, 30),
+              causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([S, kv_len1], jnp.int32))
+    out, lse, grads = compare_with_reference(seed, shape, kw, dtype=dtype)
+    assert np.all(np.isneginf(np.asarray(lse[1])))
+    assert not np.any(np.asarray(grads[0][1], np.float32))  # no gradient reaches the empty element
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids="+".join)
+@pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one"])
+def test_features_combined(combo, shape):
+    check_combined(fresh_seed(), SHAPES[shape], combo)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
 def test_combined_low_precision(dtype):
-    seed = fresh_seed()
-    B, T, S, N, K, H = SHAPES["tiles"]
-    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(40, 0),
-              softcap=5.0, key_value_seq_lengths=_lengths(seed, B, S, low=1),
-              alibi_slopes=jnp.full((N,), 0.05, jnp.float32))
-    compare_with_reference(seed, SHAPES["tiles"], kw, dtype=dtype)
+    check_low_precision_combination(fresh_seed(), SHAPES["tiles"], 40, dtype)
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients():
     """Query rows past their length, and rows whose window holds no key, give 0 / -inf / 0."""
-    seed = fresh_seed()
-    B, T, S, N, K, H = 2, 20, 12, 2, 1, 16
-    kw = dict(query_seq_lengths=jnp.array([7, 0], jnp.int32), local_window_size=(0, 30),
-              causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([12, 5], jnp.int32))
-    out, lse, grads = compare_with_reference(seed, (B, T, S, N, K, H), kw)
-    assert np.all(np.isneginf(np.asarray(lse[1])))
-    assert not np.any(np.asarray(grads[0][1]))  # no gradient reaches the empty batch element
+    check_fully_masked_rows(fresh_seed(), (2, 20, 12, 2, 1, 16), q_len0=7, kv_len1=5)
 
 
 def test_window_far_from_every_key_skips_all_tiles():
