@@ -23,46 +23,14 @@
 #include <thread>
 #include <vector>
 
+#include "check_util.h"
 #include "jfa/mask.h"
 #include "jfa/params.h"
 #include "jfa/philox.h"
 #include "sm80/api.h"
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
 using jfa::AttentionParams;
 using jfa::DType;
-
-static float to_float(uint16_t h, DType dt) {
-  if (dt == DType::kBFloat16) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw r;
-  r.x = h;
-  return __half2float(__half(r));
-}
-static uint16_t from_float(float f, DType dt) {
-  if (dt == DType::kBFloat16) {
-    __nv_bfloat16 b = __float2bfloat16(f);
-    uint16_t u;
-    memcpy(&u, &b, 2);
-    return u;
-  }
-  __half h = __float2half(f);
-  uint16_t u;
-  memcpy(&u, &h, 2);
-  return u;
-}
 
 // Masking features of a case (all off: the plain/causal kernels).
 struct Features {
