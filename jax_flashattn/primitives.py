@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from . import _ext
 from ._compat import Primitive, ShapedArray, apply_primitive, mlir
 from ._options import Extras
+from ._segment_chunks import segment_chunks
 
 attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -65,7 +66,8 @@ def _require(platform: str, implementation):
 # ---- CPU -----------------------------------------------------------------------------------------
 
 # The CPU handlers take every extra operand (rank-0 placeholders included) and config's attributes;
-# the CUDA handlers take the same ones in the same order (plus their workspace results).
+# the CUDA handlers take the same ones in the same order, then the segment-id summaries
+# (_segment_chunks.py), plus their workspace results.
 
 def _cpu_lowering(target):
     lowered = jax.ffi.ffi_lowering(target)
@@ -115,13 +117,22 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _segment_operands(extras):
+    """The segment-id summaries the CUDA handlers take after the extras (placeholders without)."""
+    q_ids, kv_ids = extras[Extras._fields.index("q_segment_ids")], extras[Extras._fields.index("kv_segment_ids")]
+    if q_ids.ndim == 0:
+        return q_ids, kv_ids
+    return segment_chunks(q_ids, kv_ids)
+
+
 def _cuda_forward(q, k, v, *extras, scale, config):
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
     o, lse = jax.ffi.ffi_call(
         _ext.FORWARD_TARGET,
         (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
-    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, **_mask_ffi_attrs(scale, config))
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, *_segment_operands(extras),
+      **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse
 
 
@@ -137,7 +148,8 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     dq, dk, dv, dbias, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, *extras, **_mask_ffi_attrs(scale, config))
+        *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
+        **_mask_ffi_attrs(scale, config))
     return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias
 
 

@@ -5,7 +5,8 @@
 //
 // Beyond q, k, v the handlers take the same optional operands (rank 0 = absent) and attributes as
 // the CPU handlers, in the same order (decode_mask.h), so that jax_flashattn lowers both platforms
-// alike; d(bias) is a float32 result in the bias's shape, accumulated by the kernels' atomics. On
+// alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
+// ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape, accumulated by the kernels' atomics. On
 // sm90 the Hopper forward takes every mask feature except dropout (sm90::can_implement declines
 // it: the portable kernels run it).
 #include <cuda_runtime_api.h>
@@ -90,7 +91,8 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
-                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> o,
+                       ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer q_segment_chunks,
+                       ffi::AnyBuffer kv_segment_chunks, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal,
                        int32_t bottom_right, int64_t window_left, int64_t window_right,
                        float softcap, float dropout_rate) {
@@ -100,6 +102,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                            alibi_slopes, dropout_seeds};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
   return launched(forward_dispatch(p, stream), "forward");
@@ -111,6 +114,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
+                        ffi::AnyBuffer q_segment_chunks, ffi::AnyBuffer kv_segment_chunks,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dq_accum,
@@ -125,6 +129,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            alibi_slopes, dropout_seeds};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.N, p.dq_accum_rows(), p.H},
@@ -166,6 +171,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
                                   .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
                                   .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+                                  .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
                                   .Ret<xla::ffi::AnyBuffer>()  // o
                                   .Ret<xla::ffi::AnyBuffer>()  // lse
                                   .Attr<float>("scale")
@@ -195,6 +202,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
                                   .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
                                   .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+                                  .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq
                                   .Ret<xla::ffi::AnyBuffer>()  // dk
                                   .Ret<xla::ffi::AnyBuffer>()  // dv

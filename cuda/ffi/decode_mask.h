@@ -110,6 +110,25 @@ inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, Attenti
   return ffi::Error::Success();
 }
 
+// The segment-id summaries the CUDA handlers take after the optional operands (MaskParams::
+// q_segment_chunks): present exactly when segment ids are, int32 [B, ceil(len / 16), 8].
+inline ffi::Error decode_segment_chunks(const ffi::AnyBuffer& q_chunks, const ffi::AnyBuffer& kv_chunks,
+                                        AttentionParams* p) {
+  MaskParams& m = p->mask;
+  if (m.q_segment_ids == nullptr) {
+    if (present(q_chunks) || present(kv_chunks)) return invalid("segment summaries given without segment ids");
+    return ffi::Error::Success();
+  }
+  auto chunks = [](int64_t len) { return (len + kSegmentChunk - 1) / kSegmentChunk; };
+  if (auto e = expect(q_chunks, "q segment summaries", {p->B, chunks(p->T), 8}, ffi::DataType::S32); e.failure())
+    return e;
+  if (auto e = expect(kv_chunks, "kv segment summaries", {p->B, chunks(p->S), 8}, ffi::DataType::S32); e.failure())
+    return e;
+  m.q_segment_chunks = static_cast<const int32_t*>(q_chunks.untyped_data());
+  m.kv_segment_chunks = static_cast<const int32_t*>(kv_chunks.untyped_data());
+  return ffi::Error::Success();
+}
+
 // The d(bias) output: float32 in the bias's shape, or a rank-0 placeholder without a bias.
 inline ffi::Error decode_dbias(ffi::AnyBuffer dbias, AttentionParams* p) {
   const MaskParams& m = p->mask;

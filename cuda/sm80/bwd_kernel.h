@@ -141,10 +141,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   int m_block_min = kCausal ? min(n0 / kBlockM, num_m_blocks) : 0;
   int m_block_end = num_m_blocks;
   SequenceBounds bounds{};
+  // What the segment summaries say about this key block (unknown without segment ids).
+  [[maybe_unused]] const SegmentIds kv_seg =
+      kGeneral ? segment_ids(p.mask.kv_segment_chunks, batch, S, n0, kBlockN) : SegmentIds{};
   if constexpr (kGeneral) {
-    // The query tiles that may see this key tile by position (causal, window, lengths).
+    // The query tiles that may see this key tile by position (causal, window, lengths) and may
+    // share a segment with it.
     bounds = sequence_bounds(p, batch);
-    const KeyRange r = query_range(p, bounds, n0, kBlockN);
+    const KeyRange r = segment_narrowed(query_range(p, bounds, n0, kBlockN), p.mask.kv_segment_chunks, batch, S, n0, kBlockN);
     m_block_min = int(r.begin / kBlockM);
     m_block_end = r.end > r.begin ? int((r.end + kBlockM - 1) / kBlockM) : m_block_min;
   }
@@ -330,7 +334,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
         clear(acc_dp);
         gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
                 smem_thr_b_sdp);
-        const bool partial = general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN);
+        const bool partial =
+            general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN) ||
+            segments_split(p, segment_ids(p.mask.q_segment_chunks, batch, T, cur.m0, kBlockM), kv_seg);
         constexpr bool dropout = kDropout;
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
         CUTE_UNROLL

@@ -46,10 +46,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
   int n_block_max = (S + kBlockN - 1) / kBlockN;
   if (kCausal) n_block_max = min(n_block_max, (m0 + kBlockM + kBlockN - 1) / kBlockN);
   int n_block_min = 0;
+  // What the segment summaries say about this query block (unknown without segment ids).
+  [[maybe_unused]] const SegmentIds q_seg =
+      kGeneral ? segment_ids(p.mask.q_segment_chunks, batch, T, m0, kBlockM) : SegmentIds{};
   if constexpr (kGeneral) {
-    // The key tiles this query block may see (causal, window, lengths): the loop's trip count.
+    // The key tiles this query block may see (causal, window, lengths) and may share a segment
+    // with: the loop's trip count.
     const SequenceBounds bounds = sequence_bounds(p, batch);
-    const KeyRange r = key_range(p, bounds, m0, kBlockM);
+    const KeyRange r = segment_narrowed(key_range(p, bounds, m0, kBlockM), p.mask.q_segment_chunks, batch, T, m0, kBlockM);
     n_block_min = int(r.begin / kBlockN);
     n_block_max = r.end > r.begin ? int((r.end + kBlockN - 1) / kBlockN) : n_block_min;  // empty: O = 0, LSE = -inf
   }
@@ -135,7 +139,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
       // Logits in log2 units (scale, soft-capping, bias, ALiBi); hidden ones -inf.
       // Recomputed per tile (two cached loads) rather than kept live across the loop.
       const SequenceBounds bounds = sequence_bounds(p, batch);
-      const bool partial = general_tile_partial(p, bounds, m0, kBlockM, n0, kBlockN);
+      const bool partial =
+          general_tile_partial(p, bounds, m0, kBlockM, n0, kBlockN) ||
+          segments_split(p, q_seg, segment_ids(p.mask.kv_segment_chunks, batch, S, n0, kBlockN));
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(scores); ++mi) {
         const RowPolicy row = row_policy(p, bounds, batch, head, m0 + get<0>(tScS_rc(mi, 0)));

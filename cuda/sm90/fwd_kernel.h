@@ -18,9 +18,10 @@
 //
 // kGeneral (with kCausal = false): masks and score modifiers as policies (jfa/mask.h,
 // jfa/row_policy.cuh; causality from p.attn.is_causal). A tile visits only the key blocks of its
-// position range (causal with either alignment, window, valid lengths): that is its trip count.
-// Blocks that position_tile_kind proves full get the score modifiers only; the others, and every
-// block when segment ids or a boolean mask exist, get the per-element predicate too. A tile that
+// position range (causal with either alignment, window, valid lengths) that may share a segment
+// with it (the segment summaries): that is its trip count. Blocks that position_tile_kind and the
+// summaries prove full get the score modifiers only; the others, and every block when a boolean
+// mask exists, get the per-element predicate too. A tile that
 // sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual way.
 #pragma once
 
@@ -85,6 +86,18 @@ struct KernelParams {
 // one per consumer warpgroup for the ping-pong schedule.
 enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
 
+// The general path's key blocks [x, y) of query tile m_block: those of its position range that
+// may share a segment with it; no key at all gives block 0, fully masked.
+template <int kBlockM, int kBlockN>
+__forceinline__ __device__ int2 general_block_range(const AttentionParams& p, int batch, int m_block) {
+  const int m0 = m_block * kBlockM;
+  const KeyRange r =
+      segment_narrowed(key_range(p, sequence_bounds(p, batch), m0, kBlockM), p.mask.q_segment_chunks, batch,
+                       int(p.T), m0, kBlockM);
+  if (r.end <= r.begin) return make_int2(0, 1);
+  return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
+}
+
 template <typename Traits, bool kCausal, bool kGeneral>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kGeneral> const sched) {
@@ -126,9 +139,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // Key blocks [x, y) that a tile visits, walked from y - 1 down to x.
   auto block_range = [&](const TileCoord& t) {
     if constexpr (kGeneral) {
-      const KeyRange r = key_range(p.attn, sequence_bounds(p.attn, t.batch), int64_t(t.m_block) * kBlockM, kBlockM);
-      if (r.end <= r.begin) return make_int2(0, 1);  // no key: block 0, fully masked
-      return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
+      return general_block_range<kBlockM, kBlockN>(p.attn, t.batch, t.m_block);
     } else {
       int n = (p.S + kBlockN - 1) / kBlockN;
       if constexpr (kCausal) n = min(n, (t.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
@@ -208,6 +219,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  // Thread 0's coordinates: compile-time constants (see apply_policy).
+  Tensor cS0 = mma_qk.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS0_rc = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRows = decltype(size<0>(cO_rc))::value;
@@ -224,14 +238,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const int m0 = t.m_block * kBlockM;
     const int2 range = block_range(t);
     int n = range.y - 1;
-    // General path: the scores of block n to logits in log2 units, masked where the tile needs it.
-    // (The plain path folds scale_log2 into the softmax instead.)
-    [[maybe_unused]] const SequenceBounds bounds = kGeneral ? sequence_bounds(p.attn, t.batch) : SequenceBounds{};
-    auto general_scores = [&](auto& scores_rc, int n_block) {
-      const bool partial = general_tile_partial(p.attn, bounds, m0, kBlockM, n_block * kBlockN, kBlockN);
-      apply_policy(scores_rc, cS_rc, p.attn, bounds, t.batch, t.head, m0, n_block * kBlockN, partial);
+    // General path: this thread's rows of the tile, the per-element tests block n needs (found
+    // under the block's GEMMs), and its scores with masks
+    // and modifiers applied, in units the softmax multiplies by `logit_scale` (policy_logit_scale).
+    [[maybe_unused]] const auto rows =
+        kGeneral ? tile_rows<kRows, kBlockM>(p.attn, t.batch, t.head, m0, cS_rc) : TileRows<kRows>{};
+    auto tests_of = [&](int n_block) {
+      return kGeneral ? block_needs(p.attn, rows, t.batch, n_block * kBlockN, kBlockN) : 0;
     };
-    constexpr float kSoftmaxScale = 1.f;  // general path: logits already in log2 units
+    auto general_scores = [&](auto& scores_rc, int n_block, int needs) {
+      apply_policy(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
+    };
+    const float logit_scale = kGeneral ? policy_logit_scale(p.attn) : p.scale_log2;
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
@@ -245,16 +263,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     ss.q_full.wait(iter & 1);
 
     // First (last-in-memory) key block: the only one that can cross S; causal diagonal too.
+    int needs = tests_of(n);
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipeline_k.consumer_release(read);
     if constexpr (kGeneral) {
-      general_scores(tSrS_rc, n);
-      softmax.template update<true>(tSrS_rc, kSoftmaxScale, o_scale);
+      general_scores(tSrS_rc, n, needs);
     } else {
       apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
-      softmax.template update<true>(tSrS_rc, p.scale_log2, o_scale);
     }
+    softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
     convert(tSrS, tOrP);
     clear(tOrO);
 
@@ -269,15 +287,15 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       pipeline_v.consumer_wait(read_v);
       gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
       sched_arrive();
+      needs = tests_of(n);
       warpgroup_wait<1>();  // S is ready; P·V still running
       pipeline_k.consumer_release(read);
       if constexpr (kGeneral) {
-        general_scores(tSrS_rc, n);
-        softmax.template update<false>(tSrS_rc, kSoftmaxScale, o_scale);
-      } else {
-        if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
-        softmax.template update<false>(tSrS_rc, p.scale_log2, o_scale);
+        general_scores(tSrS_rc, n, needs);
+      } else if (kCausal && n * kBlockN + kBlockN - 1 > m0) {
+        apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
       }
+      softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
       warpgroup_wait<0>();
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
@@ -289,7 +307,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     pipeline_v.consumer_wait(read);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
     float lse[kRows];
-    softmax.finalize(kGeneral ? kSoftmaxScale : p.scale_log2, o_scale, lse);
+    softmax.finalize(logit_scale, o_scale, lse);
     warpgroup_wait<0>();
     pipeline_v.consumer_release(read);
     ++read;

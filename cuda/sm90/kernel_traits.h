@@ -105,6 +105,16 @@ struct FwdConfig<Element, 128, kCausal> {
 template <typename Element, bool kCausal>
 struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
 
+// The general (masked) path: causal's tiles, except H 64 takes 128 x 128 with two consumer
+// warpgroups. With three (192 rows) each consumer gets 160 registers and the policy code spilled
+// 224 bytes; with two it gets 240 and spills 8.
+template <typename Element, int kHeadDim>
+struct GeneralFwdConfig {
+  using Traits = typename FwdConfig<Element, kHeadDim, true>::Traits;
+};
+template <typename Element>
+struct GeneralFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
+
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
 template <typename Traits>
 struct SharedStorage {

@@ -56,10 +56,10 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
-  // Masks and score modifiers: the general kernel, on causal's tile shape (its registers leave
-  // room for the policy code).
+  // Masks and score modifiers: the general kernel, on tiles whose registers leave room for the
+  // policy code (GeneralFwdConfig).
   if (p.mask.active())
-    return detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, false, true>(p, stream);
+    return detail::launch_fwd<typename GeneralFwdConfig<Element, kHeadDim>::Traits, false, true>(p, stream);
   return p.is_causal
              ? detail::launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true>(p, stream)
              : detail::launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false>(p, stream);

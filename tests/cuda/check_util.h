@@ -1,15 +1,18 @@
 // Helpers shared by the C++ kernel checks (sm80_check.cu, sm90_check.cu): CUDA error checking and
-// fp16/bf16 <-> float conversion of host buffers.
+// fp16/bf16 <-> float conversion of host buffers; the segment-id summaries.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "jfa/params.h"
 
@@ -44,4 +47,53 @@ inline uint16_t from_float(float f, jfa::DType dt) {
     memcpy(&u, &h, 2);
   }
   return u;
+}
+
+// The segment-id summaries of jax_flashattn/_segment_chunks.py (jfa::MaskParams::q_segment_chunks),
+// computed the same way on the host: per chunk of kSegmentChunk positions of `ids` ([B, len]),
+// (min id, max id, begin, end, run begin, run end, 0, 0) with begin / end the suffix min / prefix
+// max of the first / end position of `other` ([B, other_len]) in chunks whose id range overlaps,
+// and [run begin, run end) the maximal run of one-id chunks with the chunk's id around it.
+inline std::vector<int32_t> segment_chunks(const std::vector<int32_t>& ids, int len,
+                                           const std::vector<int32_t>& other, int other_len, int B) {
+  constexpr int C = jfa::kSegmentChunk;
+  auto ranges = [&](const std::vector<int32_t>& v, int n, int b) {
+    std::vector<std::pair<int32_t, int32_t>> r;
+    for (int c = 0; c < n; c += C) {
+      int32_t lo = INT32_MAX, hi = INT32_MIN;
+      for (int i = c; i < std::min(n, c + C); ++i) {
+        lo = std::min(lo, v[size_t(b) * n + i]);
+        hi = std::max(hi, v[size_t(b) * n + i]);
+      }
+      r.emplace_back(lo, hi);
+    }
+    return r;
+  };
+  std::vector<int32_t> out;
+  for (int b = 0; b < B; ++b) {
+    const auto mine = ranges(ids, len, b), theirs = ranges(other, other_len, b);
+    const int n = int(mine.size());
+    std::vector<int32_t> first(n, other_len), end(n, 0);
+    for (int c = 0; c < n; ++c)
+      for (int o = 0; o < int(theirs.size()); ++o)
+        if (theirs[o].first <= mine[c].second && theirs[o].second >= mine[c].first) {
+          first[c] = std::min(first[c], o * C);
+          end[c] = std::max(end[c], std::min((o + 1) * C, other_len));
+        }
+    for (int c = n - 2; c >= 0; --c) first[c] = std::min(first[c], first[c + 1]);
+    for (int c = 1; c < n; ++c) end[c] = std::max(end[c], end[c - 1]);
+    auto same = [&](int o, int c) { return mine[o].first == mine[o].second && mine[o].first == mine[c].first; };
+    for (int c = 0; c < n; ++c) {
+      int run_begin = c * C, run_end = c * C;
+      if (mine[c].first == mine[c].second) {
+        int a = c, e = c;
+        while (a > 0 && same(a - 1, c)) --a;
+        while (e + 1 < n && same(e + 1, c)) ++e;
+        run_begin = a * C;
+        run_end = std::min((e + 1) * C, len);
+      }
+      out.insert(out.end(), {mine[c].first, mine[c].second, first[c], end[c], run_begin, run_end, 0, 0});
+    }
+  }
+  return out;
 }

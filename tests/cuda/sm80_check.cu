@@ -57,7 +57,7 @@ struct Config {
 
 // Host copies of the feature operands; AttentionParams::mask of the host copy points into them.
 struct FeatureData {
-  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg;
+  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg, q_chunks, kv_chunks;  // chunks: segment summaries
   std::vector<float> bias, slopes;
   std::vector<uint8_t> mask;
   std::vector<uint32_t> seeds;
@@ -81,6 +81,10 @@ static FeatureData make_features(const Config& c, std::mt19937& rng) {
       for (int j = 0; j < c.S; ++j) d.kv_seg.push_back(int64_t(j) * 3 / c.S + b);
       if (c.S > 5) d.kv_seg[size_t(b) * c.S + 5] = 7;
     }
+  if (f.segments) {
+    d.q_chunks = segment_chunks(d.q_seg, c.T, d.kv_seg, c.S, c.B);
+    d.kv_chunks = segment_chunks(d.kv_seg, c.S, d.q_seg, c.T, c.B);
+  }
   std::normal_distribution<float> nd(0.f, 1.f);
   if (f.bias) {
     const int64_t full[4] = {c.B, c.N, c.T, c.S};
@@ -121,6 +125,8 @@ static void set_features(const Config& c, const FeatureData& d, AttentionParams*
   if (!d.q_seg.empty()) {
     m.q_segment_ids = static_cast<const int32_t*>(ptr(d.q_seg));
     m.kv_segment_ids = static_cast<const int32_t*>(ptr(d.kv_seg));
+    m.q_segment_chunks = static_cast<const int32_t*>(ptr(d.q_chunks));
+    m.kv_segment_chunks = static_cast<const int32_t*>(ptr(d.kv_chunks));
   }
   if (!d.bias.empty()) {
     m.bias = static_cast<const float*>(ptr(d.bias));

@@ -48,7 +48,7 @@ struct Config {
 // Host and device copies of a case's mask operands; `host` points into the vectors (for the
 // reference, which calls jfa::visible / jfa::modify_score itself), `device` into GPU buffers.
 struct MaskOperands {
-  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg;
+  std::vector<int32_t> q_len, kv_len, q_seg, kv_seg, q_chunks, kv_chunks;  // chunks: segment summaries
   std::vector<float> slopes, bias;
   std::vector<uint8_t> mask;
   jfa::MaskParams host, device;
@@ -92,6 +92,10 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
       m.q_seg.insert(m.q_seg.end(), q.begin(), q.end());
       m.kv_seg.insert(m.kv_seg.end(), k.begin(), k.end());
     }
+  if (c.features & kSegments) {
+    m.q_chunks = segment_chunks(m.q_seg, c.T, m.kv_seg, c.S, c.B);
+    m.kv_chunks = segment_chunks(m.kv_seg, c.S, m.q_seg, c.T, c.B);
+  }
   if (c.features & kSoftcap) h.softcap = 4.f;
   std::uniform_real_distribution<float> ud(0.01f, 0.3f);
   if (c.features & kAlibi)
@@ -112,6 +116,7 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
   m.device = h;
   m.device.q_lengths = m.upload(m.q_len); m.device.kv_lengths = m.upload(m.kv_len);
   m.device.q_segment_ids = m.upload(m.q_seg); m.device.kv_segment_ids = m.upload(m.kv_seg);
+  m.device.q_segment_chunks = m.upload(m.q_chunks); m.device.kv_segment_chunks = m.upload(m.kv_chunks);
   m.device.alibi_slopes = m.upload(m.slopes); m.device.bias = m.upload(m.bias);
   m.device.mask = m.upload(m.mask);
 }
@@ -335,6 +340,10 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
   p.mask.alibi_slopes = masks.upload(masks.slopes);
   p.mask.q_segment_ids = masks.upload(masks.q_seg);
   p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
+  if (!masks.q_seg.empty()) {
+    masks.q_chunks = segment_chunks(masks.q_seg, T, masks.kv_seg, T, B);
+    p.mask.q_segment_chunks = p.mask.kv_segment_chunks = masks.upload(masks.q_chunks);  // same ids both sides
+  }
   const size_t n = size_t(B) * T * N * H, rows = size_t(B) * T * N;
   std::vector<uint16_t> h(n);
   std::mt19937 rng(1);

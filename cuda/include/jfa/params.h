@@ -19,6 +19,10 @@ namespace jfa {
 // kBlockM). jax_flashattn/primitives.py sizes the workspace with the same constant.
 inline constexpr int64_t kDqAccumRowAlign = 128;
 
+// Positions per chunk of the segment-id summaries (MaskParams::q_segment_chunks): a divisor of
+// every GPU tile size. jax_flashattn/_segment_chunks.py uses the same constant.
+inline constexpr int kSegmentChunk = 16;
+
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline const char* dtype_name(DType t) {
@@ -69,6 +73,16 @@ struct MaskParams {
   // int32 [B, T] and [B, S], packed (null: no segments).
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+  // Their summaries per chunk of kSegmentChunk positions, computed by the caller (jax_flashattn/
+  // _segment_chunks.py defines them), so that the GPU kernels skip tiles that share no segment and
+  // prove tiles inside one segment full. q_segment_chunks int32 [B, ceil(T / 16), 8]: per query
+  // chunk (min id, max id, begin, end, run begin, run end, 0, 0), where a block of chunks c0..c1
+  // may see keys [begin(c0), end(c1)) only (empty if begin >= end), and queries [run begin, run
+  // end) all hold the chunk's one id (empty if it holds several); kv_segment_chunks int32
+  // [B, ceil(S / 16), 8]: the same per key chunk, sides swapped. Optional: null means no tile is
+  // skipped or proven full by segments (the CPU kernels compute their own).
+  const int32_t* q_segment_chunks = nullptr;
+  const int32_t* kv_segment_chunks = nullptr;
 
   // Boolean mask (1 byte per element, nonzero = attend), broadcast to [B, N, T, S] by strides.
   const uint8_t* mask = nullptr;

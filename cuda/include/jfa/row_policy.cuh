@@ -12,11 +12,62 @@
 
 namespace jfa {
 
-// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile needs the per-element predicate.
+// The segment-id chunk summaries (MaskParams::q_segment_chunks, kv_segment_chunks; two int4s per
+// chunk, [B, ceil(len / 16)]) of positions [x0, x0 + count) of one side. 32-bit index math: the
+// Hopper producer narrows its key range with them and runs with 24 registers. Without summaries:
+// ids unknown (never uniform) and the range not narrowed.
+struct SegmentChunk {
+  int4 ids_span;  // (min id, max id, begin, end)
+  int4 run;       // (run begin, run end, 0, 0)
+};
+
+__forceinline__ __device__ const SegmentChunk* segment_chunk_row(const int32_t* chunks, int64_t b, int len) {
+  return reinterpret_cast<const SegmentChunk*>(chunks) + b * ((len + kSegmentChunk - 1) / kSegmentChunk);
+}
+
+// The range of the ids.
+struct SegmentIds {
+  int lo = 1, hi = 0;  // lo > hi: unknown
+  __forceinline__ __device__ bool uniform() const { return lo == hi; }
+};
+
+__forceinline__ __device__ SegmentIds segment_ids(const int32_t* chunks, int64_t b, int len, int x0, int count) {
+  SegmentIds s;
+  const int last = min(x0 + count, len) - 1;
+  if (chunks == nullptr || last < x0) return s;
+  const SegmentChunk* c = segment_chunk_row(chunks, b, len);
+  s = SegmentIds{INT32_MAX, INT32_MIN};
+  for (int k = x0 / kSegmentChunk; k <= last / kSegmentChunk; ++k) {
+    const int4 v = __ldg(&c[k].ids_span);
+    s.lo = min(s.lo, v.x);
+    s.hi = max(s.hi, v.y);
+  }
+  return s;
+}
+
+// `r` (positions of the other side, from key_range / query_range) narrowed to those that may share
+// an id with positions [x0, x0 + count): [begin of the first chunk, end of the last) (two loads).
+__forceinline__ __device__ KeyRange segment_narrowed(KeyRange r, const int32_t* chunks, int64_t b, int len, int x0,
+                                                     int count) {
+  const int last = min(x0 + count, len) - 1;
+  if (chunks == nullptr || last < x0) return r;
+  const SegmentChunk* c = segment_chunk_row(chunks, b, len);
+  const int begin = __ldg(&c[x0 / kSegmentChunk].ids_span.z), end = __ldg(&c[last / kSegmentChunk].ids_span.w);
+  const int64_t lo = r.begin > begin ? r.begin : begin, hi = r.end < end ? r.end : end;
+  return KeyRange{lo, hi > lo ? hi : lo};
+}
+
+// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile needs the per-element predicate for its
+// positions or the boolean mask. Segment ids add segments_split below.
 __forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, const SequenceBounds& s, int m0,
                                                      int bm, int n0, int bn) {
-  return position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull || p.mask.q_segment_ids != nullptr ||
-         p.mask.mask != nullptr;
+  return p.mask.mask != nullptr || position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull;
+}
+
+// Whether segment ids may differ inside a tile whose query and key blocks the summaries describe
+// (false without segment ids): only one id on both sides proves every element visible.
+__forceinline__ __device__ bool segments_split(const AttentionParams& p, const SegmentIds& a, const SegmentIds& b) {
+  return p.mask.q_segment_ids != nullptr && !(a.uniform() && b.uniform() && a.lo == b.lo);
 }
 
 // jfa::visible and jfa::modify_score for one query row, with what depends only on the row
