@@ -19,10 +19,11 @@
 // kGeneral (with kCausal = false): masks and score modifiers as policies (jfa/mask.h,
 // jfa/row_policy.cuh; causality from p.attn.is_causal). A tile visits only the key blocks of its
 // position range (causal with either alignment, window, valid lengths) that may share a segment
-// with it (the segment summaries): that is its trip count. Blocks that position_tile_kind and the
-// summaries prove full get the score modifiers only; the others, and every block when a boolean
-// mask exists, get the per-element predicate too. A tile that
-// sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual way.
+// with it (the segment summaries): that is its trip count. Each thread reads its rows' bounds once
+// per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
+// (block_needs: position bounds, segments outside the tile's one-segment key run, the boolean
+// mask); score modifiers run on every block. A tile that sees no key visits block 0 fully masked,
+// so it writes O = 0 and LSE = -inf the usual way.
 #pragma once
 
 #include <cute/tensor.hpp>

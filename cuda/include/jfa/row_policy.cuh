@@ -1,6 +1,7 @@
 // Per-row mask and score-modifier policy of the CUDA kernels' general paths (sm80 forward and
 // backward, sm90 forward): jfa::visible and jfa::modify_score (mask.h, score_mod.h) with what
-// depends only on the query row hoisted out of the per-element loop. Device code only.
+// depends only on the query row hoisted out of the per-element loop; and the reads of the
+// segment-id summaries that narrow a tile's loop. Device code only.
 #pragma once
 
 #include <cmath>
