@@ -6,7 +6,8 @@
 // Beyond q, k, v the handlers take the same optional operands (rank 0 = absent) and attributes as
 // the CPU handlers, in the same order (decode_mask.h), so that jax_flashattn lowers both platforms
 // alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
-// ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape, accumulated by the kernels' atomics. On
+// ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
+// accumulated by the kernels' atomics. On
 // sm90 the Hopper forward takes every mask feature except dropout (sm90::can_implement declines
 // it: the portable kernels run it).
 #include <cuda_runtime_api.h>

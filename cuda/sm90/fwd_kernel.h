@@ -240,12 +240,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const int2 range = block_range(t);
     int n = range.y - 1;
     // General path: this thread's rows of the tile, the per-element tests block n needs (found
-    // under the block's GEMMs), and its scores with masks
-    // and modifiers applied, in units the softmax multiplies by `logit_scale` (policy_logit_scale).
+    // under the block's GEMMs), and its scores with masks and modifiers applied, in units the
+    // softmax multiplies by `logit_scale` (policy_logit_scale).
     [[maybe_unused]] const auto rows =
         kGeneral ? tile_rows<kRows, kBlockM>(p.attn, t.batch, t.head, m0, cS_rc) : TileRows<kRows>{};
     auto tests_of = [&](int n_block) {
-      return kGeneral ? block_needs(p.attn, rows, t.batch, n_block * kBlockN, kBlockN) : 0;
+      return kGeneral ? block_needs(p.attn, rows, n_block * kBlockN, kBlockN) : 0;
     };
     auto general_scores = [&](auto& scores_rc, int n_block, int needs) {
       apply_policy(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);

@@ -35,7 +35,7 @@ __forceinline__ __device__ float policy_logit_scale(const AttentionParams& p) {
 
 // One consumer thread's rows of a tile as the general path needs them in every key block, read
 // once per tile: the per-block work then issues no load on the softmax's critical path except
-// those of the data masks themselves (and the kv segment summaries, issued under the GEMMs).
+// those of the data masks themselves (bias, segment ids, boolean mask, on blocks that need them).
 template <int kRows>
 struct TileRows {
   int lo[kRows], hi[kRows];  // keys [lo, hi) visible by position; empty past q_len and T
@@ -97,8 +97,7 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4 };
 
 template <int kRows>
-__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int batch, int n0,
-                                           int bn) {
+__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n0, int bn) {
   int needs = p.mask.mask != nullptr ? kNeedsMask : 0;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r)
@@ -110,8 +109,7 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
 
 // Raw q·k scores of the key block at n0 to logits in the units of policy_logit_scale: soft-capping,
 // bias and ALiBi on every element, then -inf where an element fails a test of `needs`
-// (block_needs).
-// `scores` and `coords` are (row, col) views of the accumulator and of the identity tensor
+// (block_needs). `scores` and `coords` are (row, col) views of the accumulator and of the identity tensor
 // partitioned the same way; `coords0` is the same partition for thread 0. A wgmma accumulator
 // fragment is thread 0's translated by a per-thread offset, so a column is that offset plus a
 // compile-time constant: ALiBi's distances and the position tests then cost one add or compare
