@@ -153,6 +153,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     }
   };
   const int2 m_blocks = m_blocks_of(n_block);
+  // deterministic=True: ordered dQ adds (dq_turn below); the general kernel only.
+  const bool ordered = kGeneral && p.deterministic;
   const int m_block_min = m_blocks.x, m_block_end = m_blocks.y;
   // What the segment summaries say about this key block (unknown without segment ids).
   [[maybe_unused]] const SegmentIds kv_seg =
@@ -205,18 +207,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     // (H200, H128 16k: backward 275 -> 292 TFLOP/s).
     // The deterministic mode walks them in order instead: the CTAs of neighbouring key tiles then
     // reach a dQ tile one after the other, as its semaphore wants them.
-    if (!p.deterministic) j = (j + n_block) % num_steps;
+    if (!ordered) j = (j + n_block) % num_steps;
     Step s;
     s.g = j / m_per_head;
     s.m0 = (m_block_min + j % m_per_head) * kBlockM;
     s.head = int64_t(kv_head) * G + s.g;
     return s;
   };
-  // Deterministic mode: how many lower key tiles add into query tile m_block (dq_accum.h). All of
-  // them without the general path (the tiles of lower key tiles start no later); with it, counted
-  // by the threads together with the same m_blocks_of.
+  // Deterministic mode (the general kernel only: run.h routes the plain and causal calls to it):
+  // the dQ adds in key-tile order. A tile's turn is how many lower key tiles add into query tile
+  // m_block (dq_accum.h), counted by the threads together with the same m_blocks_of.
   auto dq_turn = [&](int m_block) {
-    if constexpr (!kGeneral) return n_block;
     int turn = 0;
     for (int base = 0; base < n_block; base += Traits::kNThreads) {
       bool adds = false;
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, smem_copy_a_dq, smem_copy_b_dq, smem_thr_a_dq,
               smem_thr_b_dq);
       float* dq_tile = dq_accum_tile(p, batch, cur.head, cur.m0, kHeadDim);
-      if (p.deterministic) {
+      if (ordered) {
         int32_t* sem = dq_semaphore(p, batch, cur.head, cur.m0);
         const int turn = dq_turn(cur.m0 / kBlockM);
         dq_wait_turn(sem, turn);
