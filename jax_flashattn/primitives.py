@@ -107,6 +107,11 @@ def _cuda_head_dim(q_aval, v_aval) -> int:
     return padded
 
 
+def _dq_semaphores(T):
+    # dQ semaphores per (batch, head) of the deterministic backward: jfa::kDqSemaphoreRows rows each.
+    return -(-T // 64)
+
+
 def _dq_accum_rows(T):
     # Query rows of the dQ accumulator, padded as jfa::AttentionParams::dq_accum_rows() expects.
     align = 128  # jfa::kDqAccumRowAlign (cuda/include/jfa/params.h)
@@ -137,6 +142,7 @@ def _cuda_forward(q, k, v, *extras, scale, config):
 
 
 def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
+    _check_deterministic_bias(config, q, k, extras[0])
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
     padded = [_pad_last(x, Hp) for x in (q, k, v, o)]
@@ -145,21 +151,27 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes.append(jax.ShapeDtypeStruct(extras[0].shape, jnp.float32))
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
     # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
+    # With deterministic=True, a semaphore per dQ tile orders the adds (zeroed by the kernels).
     shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
-               jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
-    dq, dk, dv, dbias, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
+               jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+               jax.ShapeDtypeStruct((B, N, _dq_semaphores(T)), jnp.int32)]
+    dq, dk, dv, dbias, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
-        **_mask_ffi_attrs(scale, config))
+        **_mask_ffi_attrs(scale, config), deterministic=np.int32(config.deterministic))
     return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias
 
 
-def _check_cuda_features(config):
-    """Every masking keyword runs on the CUDA kernels except deterministic=True: their dQ is
-    accumulated with atomics (run on the CPU for bitwise reproducible gradients)."""
-    if config.deterministic:
-        raise NotImplementedError(
-            "jax_flashattn: deterministic=True is not supported by the CUDA kernels (their dQ and "
-            "d(bias) are accumulated with float atomics); run on the CPU or leave it False")
+def _check_deterministic_bias(config, q, k, bias):
+    """deterministic=True orders the GPU backward's dQ adds; d(bias) is summed over a bias's
+    broadcast axes with atomics, so a broadcast bias is refused there (give its full shape)."""
+    if config.deterministic and bias.ndim == 4:
+        B, T, N = q.shape[:3]
+        full = (B, N, T, k.shape[1])
+        if tuple(bias.shape) != full:
+            raise NotImplementedError(
+                f"jax_flashattn: deterministic=True on the GPU needs a bias of the full [B, N, T, S] "
+                f"shape {full} (its gradient over broadcast axes is summed with float atomics), got "
+                f"bias {tuple(bias.shape)}; pass jnp.broadcast_to(bias, {full}) or run on the CPU")
 
 
 def _cuda_lowering(fn):
@@ -167,7 +179,6 @@ def _cuda_lowering(fn):
 
     def rule(ctx, *args, scale, config, implementation):
         _require("cuda", implementation)
-        _check_cuda_features(config)
         return lowered(ctx, *args, scale=scale, config=config)
     return rule
 

@@ -275,7 +275,51 @@ def test_dropout_forward_and_gradients_on_gpu(kw):
     check_dropout_against_reference(fresh_seed(), (2, 170, 145, 4, 2, 64), kw, dtype=BF16)
 
 
-def test_deterministic_is_refused_on_gpu():
+# deterministic=True: plain (every lower key tile adds to a dQ tile), causal with GQA, and the
+# general path, whose turns are counted per tile (window, segment ids, lengths, full-shape bias).
+DETERMINISTIC_CASES = {
+    "plain": (dict(), None),
+    "causal_gqa": (dict(is_causal=True), None),
+    "window_segments_lengths": (dict(local_window_size=(70, 20), key_value_seq_lengths=[400, 333]), "segments"),
+    "bias_dropout": (dict(dropout_rate=0.2), "bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(DETERMINISTIC_CASES))
+def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
+    """The dQ adds in key-tile order: two runs give the same bits, and match the reference."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 700, 430, 4, 2, 64
+    kw, extra = DETERMINISTIC_CASES[case]
+    if "key_value_seq_lengths" in kw:
+        kw = dict(kw, key_value_seq_lengths=jnp.asarray(kw["key_value_seq_lengths"], jnp.int32))
+    kw = dict(kw, deterministic=True)
+    if extra == "segments":
+        ids_q = jnp.asarray(np.repeat(np.arange(4), -(-T // 4))[None, :T].repeat(B, 0), jnp.int32)
+        ids_k = jnp.asarray(np.repeat(np.arange(4), -(-S // 4))[None, :S].repeat(B, 0), jnp.int32)
+        kw.update(q_segment_ids=ids_q, kv_segment_ids=ids_k)
+    if "dropout_rate" in kw:
+        kw["dropout_rng"] = jax.random.key(seed + 7)
+    bias = (jax.random.normal(jax.random.key(seed + 3), (B, N, T, S), jnp.float32)
+            if extra == "bias" else None)
+    q, k, v = random_qkv(seed, B, T, S, N, K, H, dtype=BF16)
+    do = jax.random.normal(jax.random.key(seed + 1), (B, T, N, H)).astype(BF16)
+
+    @jax.jit
+    def grads(q, k, v, bias):
+        return jax.vjp(lambda q, k, v, b: jfa.flash_attention(q, k, v, bias=b, **kw), q, k, v, bias)[1](do)
+
+    first, second = grads(q, k, v, bias), grads(q, k, v, bias)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+    if "dropout_rate" not in kw:  # the reference has no dropout stream of its own here
+        ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
+        compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias, ref_kw=ref_kw)
+
+
+def test_deterministic_refuses_a_broadcast_bias_on_gpu():
     q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 64, dtype=BF16)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, deterministic=True))(q, k, v)
+    bias = jnp.zeros((1, 2, 1, 16), jnp.float32)
+    with pytest.raises(NotImplementedError, match="full .B, N, T, S. shape"):
+        jax.jit(jax.grad(lambda q: jfa.flash_attention(q, k, v, bias=bias, deterministic=True)
+                         .astype(jnp.float32).sum()))(q)

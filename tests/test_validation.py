@@ -160,6 +160,7 @@ def test_kernel_checks_operands_again():
     dict(softcap=2.0), dict(bias=jnp.zeros((8, 12))), dict(mask=jnp.ones((8, 12), bool)),
     dict(query_seq_lengths=jnp.array([3, 4], jnp.int32)), dict(local_window_size=3),
     dict(causal_alignment="bottom_right"), dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    dict(deterministic=True),
 ], ids=lambda kw: next(iter(kw)))
 def test_cuda_lowering_takes_mask_keywords(kw):
     """The CUDA kernels take every masking keyword: lowering for CUDA passes them on (in a build
@@ -172,9 +173,15 @@ def test_cuda_lowering_takes_mask_keywords(kw):
         assert "without its CUDA kernels" in str(e)
 
 
-def test_cuda_lowering_refuses_deterministic():
-    """dQ and d(bias) are float atomics on the GPU: deterministic=True is refused by name."""
-    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
-    traced = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, deterministic=True)).trace(q, k, v)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        traced.lower(lowering_platforms=("cuda",))
+def test_deterministic_gpu_backward_refuses_a_broadcast_bias():
+    """On the GPU, d(bias) over broadcast axes is summed with float atomics: the backward's
+    lowering refuses deterministic=True with such a bias, naming both shapes (a full-shape bias
+    and deterministic=False pass)."""
+    from jax_flashattn._options import MaskConfig
+    from jax_flashattn.primitives import _check_deterministic_bias
+    q, k = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 12, 2, 16))
+    with pytest.raises(NotImplementedError, match=r"full \[B, N, T, S\] shape \(2, 4, 8, 12\).*\(1, 4, 1, 12\)"):
+        _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros((1, 4, 1, 12)))
+    _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros((2, 4, 8, 12)))
+    _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros(()))  # no bias
+    _check_deterministic_bias(MaskConfig(), q, k, jnp.zeros((1, 4, 1, 12)))

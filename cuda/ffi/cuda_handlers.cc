@@ -9,7 +9,8 @@
 // ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
 // accumulated by the kernels' atomics. On
 // sm90 the Hopper forward takes every mask feature except dropout (sm90::can_implement declines
-// it: the portable kernels run it).
+// it: the portable kernels run it). deterministic=True orders the backward's dQ adds (a semaphore
+// workspace per dQ tile) and needs a bias without broadcast axes.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -119,9 +120,9 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dq_accum,
-                        ffi::Result<ffi::AnyBuffer> softmax_d, float scale, int32_t is_causal,
-                        int32_t bottom_right, int64_t window_left, int64_t window_right,
-                        float softcap, float dropout_rate) {
+                        ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dq_semaphore,
+                        float scale, int32_t is_causal, int32_t bottom_right, int64_t window_left,
+                        int64_t window_right, float softcap, float dropout_rate, int32_t deterministic) {
   AttentionParams p;
   if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
       e.failure())
@@ -141,8 +142,22 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                   ffi::DataType::F32);
       e.failure())
     return e;
+  if (auto e = ffi_decode::expect(*dq_semaphore, "dq semaphore workspace",
+                                  {p.B, p.N, (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows},
+                                  ffi::DataType::S32);
+      e.failure())
+    return e;
+  if (deterministic != 0 && p.mask.bias != nullptr) {
+    const int64_t full[4] = {p.B, p.N, p.T, p.S};
+    for (int a = 0; a < 4; ++a)
+      if (p.mask.bias_dims[a] != full[a])
+        return invalid("deterministic=True on the GPU needs a bias of the full [B, N, T, S] shape (its gradient "
+                       "over broadcast axes is summed with atomics)");
+  }
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
+  p.deterministic = deterministic != 0;
+  p.dq_semaphore = static_cast<int32_t*>(dq_semaphore->untyped_data());
   if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) {
     // Nothing to launch; d(bias) (sized by the bias, maybe non-empty) is still all zeros.
     if (p.mask.dbias != nullptr) {
@@ -211,11 +226,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("bottom_right")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")
                                   .Attr<float>("softcap")
-                                  .Attr<float>("dropout_rate"),
+                                  .Attr<float>("dropout_rate")
+                                  .Attr<int32_t>("deterministic"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -136,22 +136,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   const int G = int(p.N / p.K);
   const int n0 = n_block * kBlockN;
 
-  // Query tiles that see this key tile: causal (top-left) skips those entirely above the diagonal.
+  // Query tiles [x, y) that see key tile nb: causal (top-left) skips those entirely above the
+  // diagonal; the general path those that cannot see it by position (causal, window, lengths) or
+  // share no segment with it. Also evaluated for other key tiles by the deterministic mode.
   const int num_m_blocks = (T + kBlockM - 1) / kBlockM;
-  int m_block_min = kCausal ? min(n0 / kBlockM, num_m_blocks) : 0;
-  int m_block_end = num_m_blocks;
-  SequenceBounds bounds{};
+  [[maybe_unused]] const SequenceBounds bounds = kGeneral ? sequence_bounds(p, batch) : SequenceBounds{};
+  auto m_blocks_of = [&](int nb) {
+    const int j0 = nb * kBlockN;
+    if constexpr (kGeneral) {
+      const KeyRange r =
+          segment_narrowed(query_range(p, bounds, j0, kBlockN), p.mask.kv_segment_chunks, batch, S, j0, kBlockN);
+      const int lo = int(r.begin / kBlockM);
+      return make_int2(lo, r.end > r.begin ? int((r.end + kBlockM - 1) / kBlockM) : lo);
+    } else {
+      return make_int2(kCausal ? min(j0 / kBlockM, num_m_blocks) : 0, num_m_blocks);
+    }
+  };
+  const int2 m_blocks = m_blocks_of(n_block);
+  // deterministic=True: ordered dQ adds (dq_turn below); the general kernel only.
+  const bool ordered = kGeneral && p.deterministic;
+  const int m_block_min = m_blocks.x, m_block_end = m_blocks.y;
   // What the segment summaries say about this key block (unknown without segment ids).
   [[maybe_unused]] const SegmentIds kv_seg =
       kGeneral ? segment_ids(p.mask.kv_segment_chunks, batch, S, n0, kBlockN) : SegmentIds{};
-  if constexpr (kGeneral) {
-    // The query tiles that may see this key tile by position (causal, window, lengths) and may
-    // share a segment with it.
-    bounds = sequence_bounds(p, batch);
-    const KeyRange r = segment_narrowed(query_range(p, bounds, n0, kBlockN), p.mask.kv_segment_chunks, batch, S, n0, kBlockN);
-    m_block_min = int(r.begin / kBlockM);
-    m_block_end = r.end > r.begin ? int((r.end + kBlockM - 1) / kBlockM) : m_block_min;
-  }
   const int m_per_head = m_block_end - m_block_min;
   const int num_steps = G * m_per_head;  // step j: head g = j / m_per_head, m_block = m_block_min + j % m_per_head
 
@@ -198,12 +205,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     // Each key tile's CTA starts at a different step, so the CTAs of one head that run at the
     // same time add into different dQ tiles instead of queueing on the same addresses
     // (H200, H128 16k: backward 275 -> 292 TFLOP/s).
-    j = (j + n_block) % num_steps;
+    // The deterministic mode walks them in order instead: the CTAs of neighbouring key tiles then
+    // reach a dQ tile one after the other, as its semaphore wants them.
+    if (!ordered) j = (j + n_block) % num_steps;
     Step s;
     s.g = j / m_per_head;
     s.m0 = (m_block_min + j % m_per_head) * kBlockM;
     s.head = int64_t(kv_head) * G + s.g;
     return s;
+  };
+  // Deterministic mode (the general kernel only: run.h routes the plain and causal calls to it):
+  // the dQ adds in key-tile order. A tile's turn is how many lower key tiles add into query tile
+  // m_block (dq_accum.h), counted by the threads together with the same m_blocks_of.
+  auto dq_turn = [&](int m_block) {
+    int turn = 0;
+    for (int base = 0; base < n_block; base += Traits::kNThreads) {
+      bool adds = false;
+      if (base + tidx < n_block) {
+        const int2 r = m_blocks_of(base + tidx);
+        adds = m_block >= r.x && m_block < r.y;
+      }
+      turn += __syncthreads_count(adds);
+    }
+    return turn;
   };
   auto q_tile = [&](const Step& s) {
     const Element* ptr = static_cast<const Element*>(p.q) + batch * p.q_strides.batch + s.head * p.q_strides.head +
@@ -413,7 +437,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, smem_copy_a_dq, smem_copy_b_dq, smem_thr_a_dq,
               smem_thr_b_dq);
-      dq_accum_add<Traits::kNThreads>(dq_accum_tile(p, batch, cur.head, cur.m0, kHeadDim), acc_dq, tidx);
+      float* dq_tile = dq_accum_tile(p, batch, cur.head, cur.m0, kHeadDim);
+      if (ordered) {
+        int32_t* sem = dq_semaphore(p, batch, cur.head, cur.m0);
+        const int turn = dq_turn(cur.m0 / kBlockM);
+        dq_wait_turn(sem, turn);
+        dq_accum_add<Traits::kNThreads>(dq_tile, acc_dq, tidx);
+        dq_end_turn(sem, turn);
+      } else {
+        dq_accum_add<Traits::kNThreads>(dq_tile, acc_dq, tidx);
+      }
 
       // dK += dSᵀ·Q.
       if (has_next) load_row_stats(next);

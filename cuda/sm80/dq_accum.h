@@ -58,4 +58,29 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
   }
 }
 
+// Deterministic mode: the adds of key block n into a dQ tile wait for their turn, `turn` = the
+// number of lower key blocks that add into the same tile (the semaphore counts finished adds).
+// CTAs are issued in increasing block index and a CTA only waits for lower key blocks, whose
+// indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock.
+__forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {
+  const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
+  return p.dq_semaphore + (batch * p.N + head) * per_head + m0 / kDqSemaphoreRows;
+}
+
+__forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
+  if (threadIdx.x == 0) {
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+    } while (v != turn);
+  }
+  __syncthreads();
+}
+
+__forceinline__ __device__ void dq_end_turn(int32_t* sem, int turn) {
+  __threadfence();  // this thread's adds are visible before the next block's
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(sem), "r"(turn + 1) : "memory");
+}
+
 }  // namespace jfa::sm80

@@ -69,6 +69,12 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
+  // The deterministic mode's semaphores count finished adds per dQ tile from zero.
+  if (p.deterministic) {
+    const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
+    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(p.B * p.N * per_head) * sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
+  }
   // d(bias) is accumulated with atomics too (broadcast axes sum many elements into one).
   if (p.mask.dbias != nullptr) {
     const int64_t* d = p.mask.bias_dims;

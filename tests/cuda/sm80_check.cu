@@ -44,6 +44,7 @@ struct Features {
   int bias = 0;  // 0: none; 1: [B, N, T, S]; 2: [1, N, 1, S]; 3: [B, 1, T, 1]
   bool mask = false;  // [B, 1, T, S], ~20% hidden, one fully hidden row
   float dropout = 0.f;
+  bool deterministic = false;  // ordered dQ adds; the backward runs twice and dq must match bitwise
 };
 
 struct Config {
@@ -414,12 +415,30 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.dk = d_dk; p.dk_strides = k.strides();
   p.dv = d_dv; p.dv_strides = v.strides();
   p.dq_accum = d_dqacc; p.softmax_d = d_D;
+  int32_t* d_sem = nullptr;
+  if (c.f.deterministic) {
+    const size_t sems = size_t(c.B) * c.N * ((c.T + jfa::kDqSemaphoreRows - 1) / jfa::kDqSemaphoreRows);
+    CK(cudaMalloc(&d_sem, sems * 4));
+    CK(cudaMemset(d_sem, 0xFF, sems * 4));  // the launcher must zero it
+    p.deterministic = true;
+    p.dq_semaphore = d_sem;
+  }
 
   cudaStream_t stream;
   CK(cudaStreamCreate(&stream));
   CK(jfa::sm80::forward(p, stream));
   CK(jfa::sm80::backward(p, stream));
   CK(cudaStreamSynchronize(stream));
+  // Deterministic: a second backward gives the same dq bits.
+  bool reproducible = true;
+  if (c.f.deterministic) {
+    std::vector<uint16_t> first(o_elems), second(o_elems);
+    CK(cudaMemcpy(first.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
+    CK(jfa::sm80::backward(p, stream));
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(second.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
+    reproducible = std::memcmp(first.data(), second.data(), o_elems * 2) == 0;
+  }
 
   std::vector<uint16_t> h_o(o_elems), h_dq(o_elems), h_dk(k.size()), h_dv(v.size());
   std::vector<float> h_lse(rows);
@@ -472,8 +491,9 @@ static void run_case(const Config& c, std::mt19937& rng) {
     e_db = rel_err(dbias, ref.dbias, &ma_db, &fin_db);
     ok = ok && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
   }
-  ok = ok && range_misses == 0;
+  ok = ok && range_misses == 0 && reproducible;
   if (!ok) ++g_failures;
+  if (!reproducible) printf("[deterministic: dq differs between two runs] ");
   if (c.f.name != nullptr)
     printf("[%s%s dbias %.2e, range misses %d] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "", e_db, range_misses);
   printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel o %.2e lse %.2e dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
@@ -486,6 +506,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaFree(ptr));
   for (void* ptr : feature_bufs) CK(cudaFree(ptr));
   if (d_dbias != nullptr) CK(cudaFree(d_dbias));
+  if (d_sem != nullptr) CK(cudaFree(d_sem));
 }
 
 static void bench(DType dt, int H, int B, int T, int N, bool causal) {
@@ -533,10 +554,19 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   };
   CK(jfa::sm80::forward(p, s));
   const float tf = time(false), tb = time(true);
+  // The deterministic backward (ordered dQ adds) on the same problem.
+  int32_t* sem;
+  CK(cudaMalloc(&sem, size_t(B) * N * ((T + jfa::kDqSemaphoreRows - 1) / jfa::kDqSemaphoreRows) * 4));
+  p.deterministic = true;
+  p.dq_semaphore = sem;
+  const float tb_det = time(true);
+  p.deterministic = false;
+  CK(cudaFree(sem));
   double flops = 4.0 * B * double(T) * S * N * H * (causal ? 0.5 : 1.0);
-  printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d | fwd %.3f ms %.1f TFLOP/s | bwd %.3f ms %.1f TFLOP/s | fwd+bwd %.1f TFLOP/s\n",
+  printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d | fwd %.3f ms %.1f TFLOP/s | bwd %.3f ms %.1f TFLOP/s | fwd+bwd %.1f TFLOP/s"
+         " | deterministic bwd %.3f ms %.1f TFLOP/s\n",
          dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, tf, flops / tf * 1e-9, tb, 2.5 * flops / tb * 1e-9,
-         3.5 * flops / (tf + tb) * 1e-9);
+         3.5 * flops / (tf + tb) * 1e-9, tb_det, 2.5 * flops / tb_det * 1e-9);
   fflush(stdout);
   for (int i = 0; i < 8; ++i) CK(cudaFree(bufs[i]));
   CK(cudaFree(lse)); CK(cudaFree(dqacc)); CK(cudaFree(D));
@@ -604,10 +634,16 @@ int main(int argc, char** argv) {
       f.bottom_right = f.q_lengths = f.kv_lengths = f.segments = f.alibi = f.mask = true;
       f.window_left = 90; f.window_right = 20; f.softcap = 2.f; f.bias = 1; f.dropout = 0.1f;
     });
+    const Features all_features = fs.back();
+    add("deterministic", [](Features& f) { f.deterministic = true; });
+    add("deterministic_all", [](Features& f) {
+      f.bottom_right = f.q_lengths = f.kv_lengths = f.segments = f.alibi = f.deterministic = true;
+      f.window_left = 90; f.window_right = 20; f.softcap = 2.f; f.bias = 1; f.dropout = 0.1f;
+    });
     if (small) {
       for (const Features& f : fs)
         for (bool causal : {false, true}) cases.push_back({2, 70, 90, 2, 1, 64, causal, BF, true, 0, f});
-      Features all = fs.back();
+      Features all = all_features;
       cases.push_back({2, 130, 65, 4, 2, 128, true, FP, true, 8, all});
     } else if (!bench_only) {
       for (const Features& f : fs)
@@ -615,8 +651,8 @@ int main(int argc, char** argv) {
           cases.push_back({2, 255, 300, 4, 2, 128, causal, BF, true, 0, f});
           cases.push_back({2, 300, 130, 2, 1, 64, causal, FP, false, 8, f});
         }
-      for (int H : {32, 96, 192, 256}) cases.push_back({2, 255, 300, 2, 1, H, true, BF, true, 0, fs.back()});
-      cases.push_back({1, 1000, 1000, 2, 2, 128, true, BF, true, 0, fs.back()});
+      for (int H : {32, 96, 192, 256}) cases.push_back({2, 255, 300, 2, 1, H, true, BF, true, 0, all_features});
+      cases.push_back({1, 1000, 1000, 2, 2, 128, true, BF, true, 0, all_features});
     }
   }
   for (auto& c : cases) run_case(c, rng);

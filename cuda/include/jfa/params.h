@@ -19,6 +19,10 @@ namespace jfa {
 // kBlockM). jax_flashattn/primitives.py sizes the workspace with the same constant.
 inline constexpr int64_t kDqAccumRowAlign = 128;
 
+// Query rows per dQ semaphore of the deterministic backward (a divisor of every backward
+// kBlockM). jax_flashattn/primitives.py sizes the semaphore workspace with the same constant.
+inline constexpr int64_t kDqSemaphoreRows = 64;
+
 // Positions per chunk of the segment-id summaries (MaskParams::q_segment_chunks): a divisor of
 // every GPU tile size. jax_flashattn/_segment_chunks.py uses the same constant.
 inline constexpr int kSegmentChunk = 16;
@@ -162,6 +166,13 @@ struct AttentionParams {
   // threads hold the dQ fragments (sm80/dq_accum.h): its atomics then cover contiguous spans.
   float* dq_accum = nullptr;
   float* softmax_d = nullptr;  // float32 [B,N,T], packed: rowsum(dO∘O) - dLSE
+
+  // Deterministic backward (deterministic=True): every dQ tile receives its key blocks' adds in
+  // increasing key-block order, ordered through dq_semaphore, int32 [B, N, ceil(T / 64)], zeroed
+  // by the kernels' launcher (sm80/dq_accum.h). d(bias) is deterministic only for a bias without
+  // broadcast axes (the lowering refuses the others).
+  bool deterministic = false;
+  int32_t* dq_semaphore = nullptr;
 
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
     return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
