@@ -8,12 +8,15 @@
 //        dP = dO·Vᵀ, dS = P∘(dP − D)                              (dS -> smem)
 //        dV += Pᵀ·dO, dK += dSᵀ·Q, dQ_accum += dS·K (fp32 atomics, dq_accum.h)
 //      The next Q tile (double-buffered) and dO tile load with cp.async behind the gemms.
-//      CTAs start their loop at different steps (rotated by the key tile index).
+//      CTAs start their loop at different steps (rotated by the key tile index), except when the
+//      dQ adds are ordered (deterministic=True, below).
 //   3. bwd_convert_dq_kernel: dq = scale · dq_accum, cast to the element type.
 // The kGeneral instantiation (masks, score modifiers, dropout; mask.h) visits only the query tiles
 // of query_range, computes dS = P∘(dP·z − D)·(1 − tanh²) in one element pass (z: dropout
 // multiplier; dV sees P·z) and adds d(bias) = P∘(dP·z − D) into p.mask.dbias with float32
 // atomics (zeroed by run_bwd; the summation order over broadcast axes is not deterministic).
+// deterministic=True orders the dQ adds by key tile (dq_accum.h): compiled in by kOrdered (the
+// plain and causal kernels' own ordered variants) or tested at run time by the general kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -114,7 +117,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 // kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h),
 // causality from p.is_causal, d(bias) by atomics; the plain instantiations compile none of it.
 // kDropout (with kGeneral): dropout too, a separate instantiation (the Philox stream costs registers).
-template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
+// kOrdered (without kGeneral): the dQ adds in key-tile order, a separate instantiation so that the
+// default plain and causal kernels compile none of it (it spilled them and cost 7-14 % on an H200).
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false, bool kOrdered = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -138,7 +143,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
 
   // Query tiles [x, y) that see key tile nb: causal (top-left) skips those entirely above the
   // diagonal; the general path those that cannot see it by position (causal, window, lengths) or
-  // share no segment with it. Also evaluated for other key tiles by the deterministic mode.
+  // share no segment with it. Also evaluated for other key tiles by the general kernel's
+  // deterministic mode.
   const int num_m_blocks = (T + kBlockM - 1) / kBlockM;
   [[maybe_unused]] const SequenceBounds bounds = kGeneral ? sequence_bounds(p, batch) : SequenceBounds{};
   auto m_blocks_of = [&](int nb) {
@@ -153,8 +159,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     }
   };
   const int2 m_blocks = m_blocks_of(n_block);
-  // deterministic=True: ordered dQ adds (dq_turn below); the general kernel only.
-  const bool ordered = kGeneral && p.deterministic;
+  // deterministic=True: ordered dQ adds (dq_turn below). A compile-time false in the default
+  // plain and causal kernels.
+  static_assert(!(kOrdered && kGeneral), "the general kernel orders at run time (p.deterministic)");
+  const bool ordered = kOrdered || (kGeneral && p.deterministic);
   const int m_block_min = m_blocks.x, m_block_end = m_blocks.y;
   // What the segment summaries say about this key block (unknown without segment ids).
   [[maybe_unused]] const SegmentIds kv_seg =
@@ -214,10 +222,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     s.head = int64_t(kv_head) * G + s.g;
     return s;
   };
-  // Deterministic mode (the general kernel only: run.h routes the plain and causal calls to it):
-  // the dQ adds in key-tile order. A tile's turn is how many lower key tiles add into query tile
-  // m_block (dq_accum.h), counted by the threads together with the same m_blocks_of.
+  // Deterministic mode: the dQ adds in key-tile order. A tile's turn is how many lower key tiles
+  // add into query tile m_block (dq_accum.h). Without the general path all of them do (plain:
+  // every key tile visits every query tile; top-left causal: the ranges of lower key tiles start
+  // no later and all end at num_m_blocks); with it the threads count them together with the same
+  // m_blocks_of.
   auto dq_turn = [&](int m_block) {
+    if constexpr (!kGeneral) return n_block;
     int turn = 0;
     for (int base = 0; base < n_block; base += Traits::kNThreads) {
       bool adds = false;

@@ -58,8 +58,9 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
   }
 }
 
-// Deterministic mode: the adds of key block n into a dQ tile wait for their turn, `turn` = the
-// number of lower key blocks that add into the same tile (the semaphore counts finished adds).
+// Deterministic mode (the ordered plain/causal kernels, the general kernel when p.deterministic):
+// the adds of key block n into a dQ tile wait for their turn, `turn` = the number of lower key
+// blocks that add into the same tile (the semaphore counts finished adds).
 // CTAs are issued in increasing block index and a CTA only waits for lower key blocks, whose
 // indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock.
 __forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {

@@ -1,6 +1,7 @@
 // Templated launchers of the sm80 kernels. Each generated instantiation file (one per
-// fwd/bwd x dtype x hdim x variant, see cuda/generate_instantiations.py) explicitly instantiates
-// launch_fwd_variant or launch_bwd_variant (declared in run.h) for one combination.
+// fwd/bwd x dtype x hdim x variant, the ordered variants bwd only; see
+// cuda/generate_instantiations.py) explicitly instantiates launch_fwd_variant or
+// launch_bwd_variant (declared in run.h) for one combination.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,9 +33,9 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false>
+template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false, bool kOrdered = false>
 cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = &bwd_kernel<Traits, kCausal, kGeneral, kDropout>;
+  auto kernel = &bwd_kernel<Traits, kCausal, kGeneral, kDropout, kOrdered>;
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.S + Traits::kBlockN - 1) / Traits::kBlockN * p.K * p.B;
@@ -44,18 +45,20 @@ cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace detail
 
-// The kernel template flags of each variant (run.h).
+// The kernel template flags of each variant (run.h). kOrdered is a backward flag only.
 template <Variant kVariant>
 struct VariantFlags {
-  static constexpr bool kCausal = kVariant == Variant::kCausal;
+  static constexpr bool kCausal = kVariant == Variant::kCausal || kVariant == Variant::kCausalOrdered;
   static constexpr bool kGeneral = kVariant == Variant::kMasked || kVariant == Variant::kDropout;
   static constexpr bool kDropout = kVariant == Variant::kDropout;
+  static constexpr bool kOrdered = kVariant == Variant::kPlainOrdered || kVariant == Variant::kCausalOrdered;
 };
 
 template <typename Element, int kHeadDim, Variant kVariant>
 cudaError_t launch_fwd_variant(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename FwdConfig<Element, kHeadDim>::Traits;
   using F = VariantFlags<kVariant>;
+  static_assert(!F::kOrdered, "the ordered variants are backward-only");
   return detail::launch_fwd<Traits, F::kCausal, F::kGeneral, F::kDropout>(p, stream);
 }
 
@@ -88,7 +91,7 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
       <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  err = detail::launch_bwd_main<Traits, F::kCausal, F::kGeneral, F::kDropout>(p, stream);
+  err = detail::launch_bwd_main<Traits, F::kCausal, F::kGeneral, F::kDropout, F::kOrdered>(p, stream);
   if (err != cudaSuccess) return err;
 
   const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;

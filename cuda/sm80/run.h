@@ -2,8 +2,9 @@
 //
 // Light on purpose: api.cu includes this, not the kernels, so the dispatch compiles in seconds.
 // Each variant launcher is defined in launch.h and instantiated in its own generated file
-// (cuda/instantiations/sm80_<pass>_<dtype>_hdim<H>_<variant>.cu), so a build compiles the four
-// variants of one head dim in parallel instead of in one long translation unit.
+// (cuda/instantiations/sm80_<pass>_<dtype>_hdim<H>_<variant>.cu), so a build compiles the
+// variants of one head dim (four forward, six backward) in parallel instead of in one long
+// translation unit.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -15,8 +16,9 @@ namespace jfa::sm80 {
 
 // Which kernel template runs: the plain and causal ones carry no mask code at all; kMasked is the
 // general kernel (every mask, score modifier and d(bias), causality from p.is_causal); kDropout
-// is the general kernel with Philox dropout on P.
-enum class Variant { kPlain, kCausal, kMasked, kDropout };
+// is the general kernel with Philox dropout on P. kPlainOrdered and kCausalOrdered are backward
+// only: the plain and causal kernels with the dQ adds in key-tile order (deterministic=True).
+enum class Variant { kPlain, kCausal, kMasked, kDropout, kPlainOrdered, kCausalOrdered };
 
 template <typename Element, int kHeadDim, Variant kVariant>
 cudaError_t launch_fwd_variant(const AttentionParams& p, cudaStream_t stream);
@@ -35,16 +37,23 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
     case Variant::kCausal: return launch_fwd_variant<Element, kHeadDim, Variant::kCausal>(p, stream);
     case Variant::kMasked: return launch_fwd_variant<Element, kHeadDim, Variant::kMasked>(p, stream);
     case Variant::kDropout: return launch_fwd_variant<Element, kHeadDim, Variant::kDropout>(p, stream);
+    case Variant::kPlainOrdered:
+    case Variant::kCausalOrdered: break;  // backward only
   }
   return cudaErrorNotSupported;
 }
 
-// deterministic=True runs the plain and causal backward on the general kernel: only it carries
-// the ordered dQ adds, so the default kernels keep their registers (with the ordering compiled
-// in, the plain backward spilled and lost 7-14 % on an H200).
+// deterministic=True runs the plain and causal backward on their ordered variants: the default
+// kernels compile without the ordering and keep their registers (with it compiled in as a run-time
+// flag, the plain backward spilled and lost 7-14 % on an H200), and the general kernel, which
+// orders at run time, made them 2.4-4x slower than the default (H200). Masked and dropout calls
+// stay on their general kernels.
 inline Variant pick_bwd_variant(const AttentionParams& p) {
   const Variant v = pick_variant(p);
-  return p.deterministic && (v == Variant::kPlain || v == Variant::kCausal) ? Variant::kMasked : v;
+  if (!p.deterministic) return v;
+  if (v == Variant::kPlain) return Variant::kPlainOrdered;
+  if (v == Variant::kCausal) return Variant::kCausalOrdered;
+  return v;
 }
 
 template <typename Element, int kHeadDim>
@@ -54,6 +63,8 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
     case Variant::kCausal: return launch_bwd_variant<Element, kHeadDim, Variant::kCausal>(p, stream);
     case Variant::kMasked: return launch_bwd_variant<Element, kHeadDim, Variant::kMasked>(p, stream);
     case Variant::kDropout: return launch_bwd_variant<Element, kHeadDim, Variant::kDropout>(p, stream);
+    case Variant::kPlainOrdered: return launch_bwd_variant<Element, kHeadDim, Variant::kPlainOrdered>(p, stream);
+    case Variant::kCausalOrdered: return launch_bwd_variant<Element, kHeadDim, Variant::kCausalOrdered>(p, stream);
   }
   return cudaErrorNotSupported;
 }
