@@ -133,9 +133,11 @@ def _segment_operands(extras):
 def _cuda_forward(q, k, v, *extras, scale, config):
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
-    o, lse = jax.ffi.ffi_call(
+    # The third result is workspace: the tile counter of the Hopper kernel's dynamic scheduler.
+    o, lse, _ = jax.ffi.ffi_call(
         _ext.FORWARD_TARGET,
-        (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32)),
+        (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32),
+         jax.ShapeDtypeStruct((1,), jnp.int32)),
     )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, *_segment_operands(extras),
       **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse

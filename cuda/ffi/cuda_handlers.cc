@@ -1,6 +1,6 @@
 // XLA FFI handlers for the CUDA platform: decode, check what the kernels support, launch on XLA's
-// stream. Workspace (the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE) arrives as extra
-// outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
+// stream. Workspace (the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE; the Hopper forward's
+// tile counter) arrives as extra outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
 // capture in CUDA graphs.
 //
 // Beyond q, k, v the handlers take the same optional operands (rank 0 = absent) and attributes as
@@ -95,7 +95,8 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
                        ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer q_segment_chunks,
                        ffi::AnyBuffer kv_segment_chunks, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> lse, float scale, int32_t is_causal,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter,
+                       float scale, int32_t is_causal,
                        int32_t bottom_right, int64_t window_left, int64_t window_right,
                        float softcap, float dropout_rate) {
   AttentionParams p;
@@ -106,6 +107,9 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
+  if (auto e = ffi_decode::expect(*tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
+    return e;
+  p.tile_counter = static_cast<int32_t*>(tile_counter->untyped_data());
   if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
   return launched(forward_dispatch(p, stream), "forward");
 }
@@ -191,6 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
                                   .Ret<xla::ffi::AnyBuffer>()  // o
                                   .Ret<xla::ffi::AnyBuffer>()  // lse
+                                  .Ret<xla::ffi::AnyBuffer>()  // tile counter workspace, int32 [1] (Hopper scheduler)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("bottom_right")

@@ -86,6 +86,24 @@ struct KernelParams {
 // Named barriers (ids after CUTLASS's reserved ones): one for the epilogue of all consumers, and
 // one per consumer warpgroup for the ping-pong schedule.
 enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
+// The tile handshake of the producer warp and the consumers (after the at most three scheduler
+// barriers; SharedStorage::next_tile).
+enum : int { kBarTile = kBarSchedFirst + 3 };
+
+// The smem words through which the producer hands out tiles: the named barrier orders the
+// accesses for the hardware, the volatile accesses and compiler fences for the compiler (CUTLASS's
+// barrier asm declares no memory clobber).
+__forceinline__ __device__ void publish_tile(int& slot, int tile) {
+  asm volatile("" ::: "memory");
+  *static_cast<volatile int*>(&slot) = tile;
+  asm volatile("" ::: "memory");
+}
+__forceinline__ __device__ int announced_tile(const int& slot) {
+  asm volatile("" ::: "memory");
+  const int tile = *static_cast<const volatile int*>(&slot);
+  asm volatile("" ::: "memory");
+  return tile;
+}
 
 // The general path's key blocks [x, y) of query tile m_block: those of its position range that
 // may share a segment with it; no key at all gives block 0, fully masked.
@@ -150,14 +168,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   if (warp_group == 0) {
     // ---------------- producer ----------------
+    // Warp 0 produces: all its lanes take part in the tile handshake's named barrier, lane 0
+    // issues the loads (PipelineTmaAsync's is_leader).
     cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
+    const bool leader = threadIdx.x == 0;
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
     Tensor mK = p.tma_k.get_tma_tensor(p.shape_kv);
     Tensor mV = p.tma_v.get_tma_tensor(p.shape_kv);
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    int iter = 0;
-    for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++iter) {
+    for (int tile = blockIdx.x, iter = 0; tile < p.num_tiles; ++iter) {
       const TileCoord t = sched.get(tile);
       const int kv_head = t.head / p.group;
       Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
@@ -169,30 +189,43 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
       auto load_k = [&](int n, PipelineState const& st) {
         pipeline_k.producer_acquire(st);
-        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(st)), tKgK(_, n), tKsK(_, st.index()));
+        if (leader) copy(p.tma_k.with(*pipeline_k.producer_get_barrier(st)), tKgK(_, n), tKsK(_, st.index()));
       };
       auto load_v = [&](int n, PipelineState const& st) {
         pipeline_v.producer_acquire(st);
-        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
+        if (leader) copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
       const int2 range = block_range(t);
       int n = range.y - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
       if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
-      ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
-      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
+      if (leader) {
+        ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
+        copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
+      }
       // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
       // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
-#pragma unroll 1
-      for (; n > range.x; --n) {
+      auto load_step = [&] {
         PipelineState write_v = write;
         ++write;
         load_k(n - 1, write);
         load_v(n, write_v);
-      }
+        --n;
+      };
+      // The first step's slots free during the previous tile: its loads go out before the wait
+      // below. Then draw the next tile and hand it to the consumers, who read it when this tile
+      // ends (see SharedStorage::next_tile); the wait lasts until they start this tile.
+      if (n > range.x) load_step();
+      int next_tile = leader ? sched.next(tile) : 0;
+      if (leader) publish_tile(ss.next_tile[(iter + 1) & 1], next_tile);
+      next_tile = __shfl_sync(0xffffffffu, next_tile, 0);  // also reconverges the warp for bar.sync
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads + 32, kBarTile);
+#pragma unroll 1
+      while (n > range.x) load_step();
       load_v(range.x, write);
       ++write;
+      tile = next_tile;
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
@@ -232,9 +265,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tOsO = thr_copy_o.partition_D(sO);
 
   PipelineState read;
-  int iter = 0;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x, ++iter) {
+  for (int tile = blockIdx.x, iter = 0; tile < p.num_tiles; ++iter) {
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads + 32, kBarTile);  // the next tile is drawn
     const TileCoord t = sched.get(tile);
     const int m0 = t.m_block * kBlockM;
     const int2 range = block_range(t);
@@ -344,6 +377,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         ss.q_empty.arrive();
       }
     }
+    tile = announced_tile(ss.next_tile[(iter + 1) & 1]);
   }
   if (tid == 0) tma_store_wait<0>();
 }

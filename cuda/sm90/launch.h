@@ -38,8 +38,15 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
                           shape_q, shape_kv, p.lse, p.lse_strides.batch, p.lse_strides.row,
                           p.lse_strides.head, p.scale_log2, int(p.T), int(p.S), int(p.N / p.K),
                           int(num_m_blocks * p.N * p.B), p};
-  // Masked tiles run longest first too: their trip counts differ like causal ones.
-  const TileScheduler<kCausal || kGeneral> sched{num_m_blocks, int(p.N), int(p.N * p.B)};
+  // Masked tiles run longest first too: their trip counts differ like causal ones. L2 sections
+  // take 32 of the 50 MB of an H100/H200 (FlashAttention-3's budget: the rest holds Q, O and
+  // the other tensors of the step).
+  const TileScheduler<kCausal || kGeneral> sched{
+      num_m_blocks, int(p.N), int(p.N * p.B),
+      l2_section_bh(p.S, p.H, int64_t(sizeof(Element)), p.N / p.K, int64_t(32) << 20), p.tile_counter};
+  if (p.tile_counter != nullptr)
+    if (cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream); err != cudaSuccess)
+      return err;
 
   auto kernel = &fwd_kernel<Traits, kCausal, kGeneral>;
   constexpr int smem = int(sizeof(SharedStorage<Traits>));

@@ -142,6 +142,13 @@ constexpr size_t kGuard = 4096;  // elements of NaN after each output: rows >= T
 
 static int g_failures = 0;
 
+// The dynamic scheduler's counter (as the FFI handler passes it), allocated once.
+static int32_t* tile_counter() {
+  static int32_t* counter = nullptr;
+  if (counter == nullptr) CK(cudaMalloc(&counter, sizeof(int32_t)));
+  return counter;
+}
+
 static void run_case(const Config& c, std::mt19937& rng) {
   const char* dtn = c.dt == DType::kBFloat16 ? "bf16" : "fp16";
   if (!jfa::sm90::is_built(c.dt, c.H)) {
@@ -184,6 +191,9 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMemset(d_lse, 0xFF, (rows + kGuard) * 4));
   p.o = d_o; p.o_strides = o.strides();
   p.lse = d_lse; p.lse_strides = jfa::Strides{int64_t(c.T) * c.N, c.N, 1};
+  // Every other case runs the static schedule (no counter), the kernel's fallback.
+  static int case_index = 0;
+  p.tile_counter = case_index++ % 2 == 0 ? tile_counter() : nullptr;
   if (!jfa::sm90::can_implement(p)) {
     printf("FAIL can_implement rejected %s T=%d S=%d\n", dtn, c.T, c.S);
     ++g_failures;
@@ -310,6 +320,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
   p.scale = 1.f / std::sqrt(float(H));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.is_causal = causal;
+  p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
   MaskOperands masks;
   if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
   if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;

@@ -174,6 +174,10 @@ struct AttentionParams {
   bool deterministic = false;
   int32_t* dq_semaphore = nullptr;
 
+  // Forward workspace of the Hopper kernel's dynamic tile scheduler: int32 [1], zeroed by its
+  // launcher (sm90/tile_scheduler.h). Null: a static schedule.
+  int32_t* tile_counter = nullptr;
+
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
     return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
   }
