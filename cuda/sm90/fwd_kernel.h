@@ -90,6 +90,14 @@ enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
 // barriers; SharedStorage::next_tile).
 enum : int { kBarTile = kBarSchedFirst + 3 };
 
+// The tile handshake's meeting: the producer warp and every consumer. The unaligned form: the
+// producer lanes may arrive diverged (each spins on the pipeline's mbarriers on its own), which
+// bar.sync's aligned form does not allow (synccheck reports it).
+template <int kNumMmaThreads>
+__forceinline__ __device__ void tile_barrier() {
+  cutlass::arch::NamedBarrier(kNumMmaThreads + 32, kBarTile).arrive_and_wait_unaligned();
+}
+
 // The smem words through which the producer hands out tiles: the named barrier orders the
 // accesses for the hardware, the volatile accesses and compiler fences for the compiler (CUTLASS's
 // barrier asm declares no memory clobber).
@@ -219,8 +227,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (n > range.x) load_step();
       int next_tile = leader ? sched.next(tile) : 0;
       if (leader) publish_tile(ss.next_tile[(iter + 1) & 1], next_tile);
-      next_tile = __shfl_sync(0xffffffffu, next_tile, 0);  // also reconverges the warp for bar.sync
-      cutlass::arch::NamedBarrier::sync(kNumMmaThreads + 32, kBarTile);
+      next_tile = __shfl_sync(0xffffffffu, next_tile, 0);
+      tile_barrier<kNumMmaThreads>();
 #pragma unroll 1
       while (n > range.x) load_step();
       load_v(range.x, write);
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PipelineState read;
 #pragma unroll 1
   for (int tile = blockIdx.x, iter = 0; tile < p.num_tiles; ++iter) {
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads + 32, kBarTile);  // the next tile is drawn
+    tile_barrier<kNumMmaThreads>();  // the next tile is drawn
     const TileCoord t = sched.get(tile);
     const int m0 = t.m_block * kBlockM;
     const int2 range = block_range(t);
