@@ -43,7 +43,10 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   // the other tensors of the step).
   const TileScheduler<kCausal || kGeneral> sched{
       num_m_blocks, int(p.N), int(p.N * p.B),
-      l2_section_bh(p.S, p.H, int64_t(sizeof(Element)), p.N / p.K, int64_t(32) << 20), p.tile_counter};
+      // At most every head: a larger section orders tiles the same, and section · num_m_blocks
+      // then stays within num_tiles (an int).
+      std::min(l2_section_bh(p.S, p.H, int64_t(sizeof(Element)), p.N / p.K, int64_t(32) << 20), int(p.N * p.B)),
+      p.tile_counter};
   if (p.tile_counter != nullptr)
     if (cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream); err != cudaSuccess)
       return err;

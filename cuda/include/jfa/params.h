@@ -169,13 +169,13 @@ struct AttentionParams {
 
   // Deterministic backward (deterministic=True): every dQ tile receives its key blocks' adds in
   // increasing key-block order, ordered through dq_semaphore, int32 [B, N, ceil(T / 64)], zeroed
-  // by the kernels' launcher (sm80/dq_accum.h). d(bias) is deterministic only for a bias without
-  // broadcast axes (the lowering refuses the others).
+  // by the launcher (sm80/launch.h; the protocol: sm80/dq_accum.h). d(bias) is deterministic
+  // only for a bias without broadcast axes (the lowering refuses the others).
   bool deterministic = false;
   int32_t* dq_semaphore = nullptr;
 
   // Forward workspace of the Hopper kernel's dynamic tile scheduler: int32 [1], zeroed by its
-  // launcher (sm90/tile_scheduler.h). Null: a static schedule.
+  // launcher (sm90/launch.h; the order: sm90/tile_scheduler.h). Null: a static schedule.
   int32_t* tile_counter = nullptr;
 
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
