@@ -8,8 +8,8 @@
 //        dP = dO·Vᵀ, dS = P∘(dP − D)                              (dS -> smem)
 //        dV += Pᵀ·dO, dK += dSᵀ·Q, dQ_accum += dS·K (fp32 atomics, dq_accum.h)
 //      The next Q tile (double-buffered) and dO tile load with cp.async behind the gemms.
-//      CTAs start their loop at different steps (rotated by the key tile index), except when the
-//      dQ adds are ordered (deterministic=True, below).
+//      CTAs start their loop at different steps (rotated by the key tile index), except in the
+//      ordered causal and general deterministic kernels (deterministic=True, below).
 //   3. bwd_convert_dq_kernel: dq = scale · dq_accum, cast to the element type.
 // The kGeneral instantiation (masks, score modifiers, dropout; mask.h) visits only the query tiles
 // of query_range, computes dS = P∘(dP·z − D)·(1 − tanh²) in one element pass (z: dropout
@@ -213,22 +213,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     // Each key tile's CTA starts at a different step, so the CTAs of one head that run at the
     // same time add into different dQ tiles instead of queueing on the same addresses
     // (H200, H128 16k: backward 275 -> 292 TFLOP/s).
-    // The deterministic mode walks them in order instead: the CTAs of neighbouring key tiles then
-    // reach a dQ tile one after the other, as its semaphore wants them.
-    if (!ordered) j = (j + n_block) % num_steps;
+    // The ordered plain kernel keeps this walk (its dQ order follows it); the ordered causal and
+    // the general deterministic kernels walk upwards from their first tile (dq_accum.h).
+    if (!ordered || (kOrdered && !kCausal)) j = (j + n_block) % num_steps;
     Step s;
     s.g = j / m_per_head;
     s.m0 = (m_block_min + j % m_per_head) * kBlockM;
     s.head = int64_t(kv_head) * G + s.g;
     return s;
   };
-  // Deterministic mode: the dQ adds in key-tile order. A tile's turn is how many lower key tiles
-  // add into query tile m_block (dq_accum.h). Without the general path all of them do (plain:
-  // every key tile visits every query tile; top-left causal: the ranges of lower key tiles start
-  // no later and all end at num_m_blocks); with it the threads count them together with the same
-  // m_blocks_of.
-  auto dq_turn = [&](int m_block) {
-    if constexpr (!kGeneral) return n_block;
+  // Deterministic mode: the turn of step j's dQ add into query tile m_block, i.e. how many key
+  // tiles add into it before this one (dq_accum.h). The ordered kernels have closed forms; the
+  // general one adds in increasing key-tile order, and the threads count the lower key tiles
+  // that add into m_block with the same m_blocks_of.
+  auto dq_turn = [&](int j, int m_block) {
+    if constexpr (kOrdered && kCausal)
+      return ordered_causal_turn(m_block, n_block, kBlockM, kBlockN, num_n_blocks, p.dq_order_chunk);
+    if constexpr (kOrdered && !kCausal) return ordered_plain_turn(j, n_block, p.dq_order_chunk, num_n_blocks, num_steps);
     int turn = 0;
     for (int base = 0; base < n_block; base += Traits::kNThreads) {
       bool adds = false;
@@ -239,6 +240,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       turn += __syncthreads_count(adds);
     }
     return turn;
+  };
+  // Ordered kernels: thread 0 ends the turn of step j (recomputed: nothing stays live across
+  // the steps but the semaphore value read ahead, `seen`).
+  [[maybe_unused]] int seen = 0;
+  [[maybe_unused]] auto dq_release_turn = [&](int j) {
+    const Step s = step_of(j);
+    dq_semaphore_release(dq_semaphore(p, batch, s.head, s.m0), dq_turn(j, s.m0 / kBlockM) + 1);
   };
   auto q_tile = [&](const Step& s) {
     const Element* ptr = static_cast<const Element*>(p.q) + batch * p.q_strides.batch + s.head * p.q_strides.head +
@@ -360,6 +368,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       clear(acc_s);
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_cur, tSsK, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
               smem_thr_b_sdp);
+      // Ordered kernels: the previous step's turn ends only now, a barrier after its adds (which
+      // orders every thread's adds before thread 0's release) and a gemm later, so the release's
+      // fence finds them landed instead of waiting for their round trip to L2. The next CTA in
+      // the order reaches that tile a step later anyway.
+      if constexpr (kOrdered)
+        if (tidx == 0 && j > 0) dq_release_turn(j - 1);
       Tensor scores = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor dS = make_tensor(acc_dp.data(), scores.layout());
@@ -432,11 +446,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       Tensor rdS = convert_type<Element>(acc_dp);
       cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), tdSsdS);
       __syncthreads();  // sP, sdS complete
+      // Ordered kernels: read the semaphore of this step's dQ tile now, so that the read's round
+      // trip overlaps the gemms before the add, which then usually finds its turn already there.
+      if constexpr (kOrdered)
+        if (tidx == 0) seen = dq_semaphore_peek(dq_semaphore(p, batch, cur.head, cur.m0));
 
       // dV += Pᵀ·dO.
       gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, tdVsdOt, mma_dkv, smem_copy_a_dkv, smem_copy_b_dkv, smem_thr_a_dkv,
               smem_thr_b_dkv);
-      __syncthreads();  // everyone is done with sdO
+      // Ordered kernels: thread 0 waits for the turn of this step's dQ adds before the barrier
+      // that precedes them anyway (no barrier of their own).
+      if constexpr (kOrdered)
+        if (tidx == 0)
+          dq_wait_turn_from(dq_semaphore(p, batch, cur.head, cur.m0), dq_turn(j, cur.m0 / kBlockM), seen);
+      __syncthreads();  // everyone is done with sdO (and the ordered kernels' turn has come)
       if (has_next) {
         load_do(next);
         cute::cp_async_fence();
@@ -449,9 +472,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, smem_copy_a_dq, smem_copy_b_dq, smem_thr_a_dq,
               smem_thr_b_dq);
       float* dq_tile = dq_accum_tile(p, batch, cur.head, cur.m0, kHeadDim);
-      if (ordered) {
+      if (ordered && !kOrdered) {
+        // The general kernel's increasing order is a chain (each add waits for the one before):
+        // its turn ends at once.
         int32_t* sem = dq_semaphore(p, batch, cur.head, cur.m0);
-        const int turn = dq_turn(cur.m0 / kBlockM);
+        const int turn = dq_turn(j, cur.m0 / kBlockM);
         dq_wait_turn(sem, turn);
         dq_accum_add<Traits::kNThreads>(dq_tile, acc_dq, tidx);
         dq_end_turn(sem, turn);
@@ -483,7 +508,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   Tensor sdV = make_tensor(sV.data(), typename Traits::SmemLayoutdKV{});
   auto smem_copy_dkv = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
   auto smem_thr_dkv = smem_copy_dkv.get_thread_slice(tidx);
-  __syncthreads();  // everyone is done with sK, sV
+  __syncthreads();  // everyone is done with sK, sV; the last step's dQ adds are issued
+  if constexpr (kOrdered)
+    if (tidx == 0 && num_steps > 0) dq_release_turn(num_steps - 1);
   cute::copy(smem_copy_dkv, smem_thr_dkv.retile_S(rdK), smem_thr_dkv.partition_D(sdK));
   cute::copy(smem_copy_dkv, smem_thr_dkv.retile_S(rdV), smem_thr_dkv.partition_D(sdV));
   __syncthreads();

@@ -19,6 +19,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "jfa/dq_order.h"
 #include "jfa/params.h"
 
 namespace jfa::sm80 {
@@ -59,10 +60,21 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
 }
 
 // Deterministic mode (the ordered plain/causal kernels, the general kernel when p.deterministic):
-// the adds of key block n into a dQ tile wait for their turn, `turn` = the number of lower key
-// blocks that add into the same tile (the semaphore counts finished adds).
-// CTAs are issued in increasing block index and a CTA only waits for lower key blocks, whose
-// indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock.
+// each dQ tile receives the adds of its key blocks in a fixed order, `turn` = how many of them
+// come before this one (the semaphore counts finished adds). The orders (bwd_kernel.h):
+//   general: increasing key block. CTAs are issued in increasing block index and a CTA only
+//     waits for lower key blocks, whose indices are lower too, so the wait cannot deadlock.
+//   ordered plain: the order in which the CTAs reach the tile (jfa/dq_order.h), every CTA
+//     starting its walk at a different tile as the default kernel does, so that in steady state
+//     the previous adder left the tile a step earlier.
+//   ordered causal: each CTA walks its query tiles upwards from the diagonal, so the next-higher
+//     key block reached each tile a step or two earlier: higher key blocks add first.
+// Either order makes a CTA wait for CTAs issued after it, so the key blocks are split into chunks
+// of at most as many CTAs as fit on the GPU at once (AttentionParams::dq_order_chunk): a tile
+// takes the adds of lower chunks first, and a chunk waits only for itself and for lower chunks,
+// which are issued before it (and do not wait for it). The increasing order everywhere made each
+// CTA wait at every step for the lower key blocks' adds, one after the other: on an H200 the
+// deterministic backward ran at 65-82 % of the default's speed.
 __forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {
   const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
   return p.dq_semaphore + (batch * p.N + head) * per_head + m0 / kDqSemaphoreRows;
@@ -76,6 +88,33 @@ __forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
     } while (v != turn);
   }
   __syncthreads();
+}
+
+// The ordered kernels' split protocol, all by thread 0 (the kernel supplies the barriers):
+//   peek: read the semaphore ahead of the add (relaxed: see below);
+//   wait_turn_from: wait for the turn, starting from the value peeked;
+//   release: fence, then publish the finished adds; a barrier after every thread's adds comes
+//     before it, and the fence is cumulative over what that barrier ordered before it.
+// The peek and the wait read relaxed, not acquire: an acquire read stalls its warp until the value
+// arrives, which is the latency the early read hides. What the order needs still holds: this CTA
+// issues its adds only after the branch on the value read (GPUs issue no memory operation past an
+// unresolved branch), the adds are atomics performed in L2, and the previous CTA's were performed
+// before its release became visible. Bitwise reproducibility is what the GPU tests check.
+__forceinline__ __device__ int dq_semaphore_peek(const int32_t* sem) {
+  int v;
+  // No "memory" clobber: the read needs no order against this thread's other memory operations
+  // (the barrier before the adds orders them), and a clobber would stop the compiler from
+  // scheduling the gemms' shared-memory loads across it.
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem));
+  return v;
+}
+
+__forceinline__ __device__ void dq_wait_turn_from(const int32_t* sem, int turn, int seen) {
+  while (seen != turn) seen = dq_semaphore_peek(sem);
+}
+
+__forceinline__ __device__ void dq_semaphore_release(int32_t* sem, int value) {
+  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;" ::"l"(sem), "r"(value) : "memory");
 }
 
 __forceinline__ __device__ void dq_end_turn(int32_t* sem, int turn) {
