@@ -19,7 +19,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "jfa/dq_order.h"
 #include "jfa/params.h"
 
 namespace jfa::sm80 {
@@ -60,21 +59,19 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
 }
 
 // Deterministic mode (the ordered plain/causal kernels, the general kernel when p.deterministic):
-// each dQ tile receives the adds of its key blocks in a fixed order, `turn` = how many of them
-// come before this one (the semaphore counts finished adds). The orders (bwd_kernel.h):
-//   general: increasing key block. CTAs are issued in increasing block index and a CTA only
-//     waits for lower key blocks, whose indices are lower too, so the wait cannot deadlock.
-//   ordered plain: the order in which the CTAs reach the tile (jfa/dq_order.h), every CTA
-//     starting its walk at a different tile as the default kernel does, so that in steady state
-//     the previous adder left the tile a step earlier.
-//   ordered causal: each CTA walks its query tiles upwards from the diagonal, so the next-higher
-//     key block reached each tile a step or two earlier: higher key blocks add first.
-// Either order makes a CTA wait for CTAs issued after it, so the key blocks are split into chunks
-// of at most as many CTAs as fit on the GPU at once (AttentionParams::dq_order_chunk): a tile
-// takes the adds of lower chunks first, and a chunk waits only for itself and for lower chunks,
-// which are issued before it (and do not wait for it). The increasing order everywhere made each
-// CTA wait at every step for the lower key blocks' adds, one after the other: on an H200 the
-// deterministic backward ran at 65-82 % of the default's speed.
+// the adds of key block n into a dQ tile wait for their turn, `turn` = the number of lower key
+// blocks that add into the same tile (the semaphore counts finished adds).
+// CTAs are issued in increasing block index and a CTA only waits for lower key blocks, whose
+// indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock, whatever else
+// runs on the GPU, and the order depends on the problem alone (not on the GPU's size).
+// All CTAs walk the query tiles in the same order, so a CTA follows the next-lower key block's
+// CTA a step behind; with the key-tile-major grid only a few key blocks of one head run at a time,
+// so the chain is short. What made this order slow before (H200, 16k: 65-82 % of the default)
+// was each step waiting out the round trips of the semaphore read and of the fence after the
+// adds; the ordered kernels now take both off the critical path (split protocol below). Orders
+// that follow the arrival of the CTAs at a tile (rotated walks, higher key blocks first for
+// causal) measured 0-3 % faster but make a CTA wait for CTAs issued after it: they deadlock
+// unless the whole group is resident, which another kernel on the GPU can prevent.
 __forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {
   const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
   return p.dq_semaphore + (batch * p.N + head) * per_head + m0 / kDqSemaphoreRows;
@@ -99,7 +96,10 @@ __forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
 // arrives, which is the latency the early read hides. What the order needs still holds: this CTA
 // issues its adds only after the branch on the value read (GPUs issue no memory operation past an
 // unresolved branch), the adds are atomics performed in L2, and the previous CTA's were performed
-// before its release became visible. Bitwise reproducibility is what the GPU tests check.
+// before its release became visible. (Formally, the PTX memory model ignores control
+// dependencies; an acquire after the wait would cost the read's round trip again. What could go
+// wrong is the order of the adds, never their sum: tests/cuda/sm80_check.cu and tests/test_gpu.py
+// compare the bits of two runs, up to 8 key tiles per head.)
 __forceinline__ __device__ int dq_semaphore_peek(const int32_t* sem) {
   int v;
   // No "memory" clobber: the read needs no order against this thread's other memory operations

@@ -6,9 +6,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdlib>
-
 #include "bwd_kernel.h"
 #include "fwd_kernel.h"
 #include "jfa/params.h"
@@ -42,26 +39,7 @@ cudaError_t launch_bwd_main(const AttentionParams& p, cudaStream_t stream) {
   constexpr int smem = Traits::kSmemSize;
   if (cudaError_t err = set_smem(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = (p.S + Traits::kBlockN - 1) / Traits::kBlockN * p.K * p.B;
-  AttentionParams params = p;
-  if constexpr (kOrdered) {
-    // The ordered kernels' chunks (dq_accum.h): no more CTAs than fit on the GPU at once, so
-    // that a chunk whose CTAs wait for each other can always be resident as a whole. Plain: key
-    // blocks of one head (its grid runs head by head); causal: key blocks of all heads (its grid
-    // runs key block by key block).
-    int device = 0, sms = 0, per_sm = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kNThreads, smem);
-    if (err != cudaSuccess) return err;
-    const int64_t resident = int64_t(sms) * per_sm;
-    const int64_t chunk = kCausal ? resident / (p.B * p.K) : resident;
-    params.dq_order_chunk = int(std::max<int64_t>(chunk, 1));
-    // Tests shrink the chunks to exercise their order on small problems (it can only shrink).
-    if (const char* env = std::getenv("JFA_DQ_ORDER_CHUNK"); env != nullptr && std::atoi(env) > 0)
-      params.dq_order_chunk = std::min(params.dq_order_chunk, std::atoi(env));
-  }
-  kernel<<<dim3(unsigned(blocks)), Traits::kNThreads, smem, stream>>>(params);
+  kernel<<<dim3(unsigned(blocks)), Traits::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "check_util.h"
-#include "jfa/dq_order.h"
 #include "jfa/mask.h"
 #include "jfa/params.h"
 #include "jfa/philox.h"
@@ -46,7 +45,6 @@ struct Features {
   bool mask = false;  // [B, 1, T, S], ~20% hidden, one fully hidden row
   float dropout = 0.f;
   bool deterministic = false;  // ordered dQ adds; the backward runs twice and dq must match bitwise
-  int dq_order_chunk = 0;      // > 0: chunks of this many key blocks in the ordered plain backward
 };
 
 struct Config {
@@ -425,7 +423,6 @@ static void run_case(const Config& c, std::mt19937& rng) {
     p.deterministic = true;
     p.dq_semaphore = d_sem;
   }
-  if (c.f.dq_order_chunk > 0) setenv("JFA_DQ_ORDER_CHUNK", std::to_string(c.f.dq_order_chunk).c_str(), 1);
 
   cudaStream_t stream;
   CK(cudaStreamCreate(&stream));
@@ -442,7 +439,6 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemcpy(second.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
     reproducible = std::memcmp(first.data(), second.data(), o_elems * 2) == 0;
   }
-  unsetenv("JFA_DQ_ORDER_CHUNK");
 
   std::vector<uint16_t> h_o(o_elems), h_dq(o_elems), h_dk(k.size()), h_dv(v.size());
   std::vector<float> h_lse(rows);
@@ -577,61 +573,10 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   CK(cudaStreamDestroy(s));
 }
 
-// The deterministic backward's dQ orders (jfa/dq_order.h) against brute-force counts: every
-// turn as the definition says, and the turns of one query tile a permutation of its adders.
-static void check_dq_orders() {
-  int bad = 0;
-  for (int L = 1; L <= 13; ++L)
-    for (int nn = 1; nn <= 30; ++nn)
-      for (int chunk = 1; chunk <= 32; ++chunk)
-        for (int tile = 0; tile < L; ++tile) {
-          std::vector<int> turns;
-          for (int n = 0; n < nn; ++n) {  // key block n visits `tile` at step (tile - n) mod L
-            const int a = n / chunk * chunk, b = std::min(a + chunk, nn);
-            const int step = ((tile - n) % L + L) % L;
-            int expect = a;
-            for (int o = a; o < b; ++o) {
-              const int other = ((tile - o) % L + L) % L;
-              expect += other < step || (other == step && o < n);
-            }
-            bad += jfa::ordered_plain_turn(step, n, chunk, nn, L) != expect;
-            turns.push_back(expect);
-          }
-          std::sort(turns.begin(), turns.end());
-          for (int i = 0; i < nn; ++i) bad += turns[i] != i;
-        }
-  for (int bm : {64, 128})
-    for (int bn : {64, 128})
-      for (int chunk : {1, 2, 3, 8})
-        for (int T = 1; T < 700; T += 37)
-          for (int S = 1; S < 700; S += 41) {
-            const int M = (T + bm - 1) / bm, nn = (S + bn - 1) / bn;
-            auto adds = [&](int n, int m) { return std::min(n * bn / bm, M) <= m; };  // top-left causal
-            for (int m = 0; m < M; ++m) {
-              std::vector<int> turns;
-              for (int n = 0; n < nn; ++n) {
-                if (!adds(n, m)) continue;
-                int expect = 0;  // lower chunks, then the higher key blocks of n's chunk
-                for (int o = 0; o < nn; ++o)
-                  expect += o != n && adds(o, m) && (o / chunk < n / chunk || (o / chunk == n / chunk && o > n));
-                bad += jfa::ordered_causal_turn(m, n, bm, bn, nn, chunk) != expect;
-                turns.push_back(expect);
-              }
-              std::sort(turns.begin(), turns.end());
-              for (size_t i = 0; i < turns.size(); ++i) bad += turns[i] != int(i);
-            }
-          }
-  if (bad) {
-    printf("FAIL dq orders: %d wrong turns\n", bad);
-    ++g_failures;
-  }
-}
-
 int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
   const bool bench_only = argc > 1 && std::string(argv[1]) == "--bench";
   printf("built: %s\n", jfa::sm80::built_variants());
-  check_dq_orders();
   const unsigned seed = std::random_device{}();
   printf("seed: %u\n", seed);
   std::mt19937 rng(seed);
@@ -691,7 +636,6 @@ int main(int argc, char** argv) {
     });
     const Features all_features = fs.back();
     add("deterministic", [](Features& f) { f.deterministic = true; });
-    add("deterministic_chunks", [](Features& f) { f.deterministic = true; f.dq_order_chunk = 2; });
     add("deterministic_all", [](Features& f) {
       f.bottom_right = f.q_lengths = f.kv_lengths = f.segments = f.alibi = f.deterministic = true;
       f.window_left = 90; f.window_right = 20; f.softcap = 2.f; f.bias = 1; f.dropout = 0.1f;
@@ -709,6 +653,11 @@ int main(int argc, char** argv) {
         }
       for (int H : {32, 96, 192, 256}) cases.push_back({2, 255, 300, 2, 1, H, true, BF, true, 0, all_features});
       cases.push_back({1, 1000, 1000, 2, 2, 128, true, BF, true, 0, all_features});
+      // The ordered kernels with 8 key tiles per head on 4 (batch, kv head) pairs.
+      Features ordered;
+      ordered.name = "deterministic_8_key_tiles";
+      ordered.deterministic = true;
+      for (bool causal : {false, true}) cases.push_back({2, 1000, 1000, 4, 2, 128, causal, BF, true, 0, ordered});
     }
   }
   for (auto& c : cases) run_case(c, rng);

@@ -168,14 +168,11 @@ struct AttentionParams {
   float* softmax_d = nullptr;  // float32 [B,N,T], packed: rowsum(dO∘O) - dLSE
 
   // Deterministic backward (deterministic=True): every dQ tile receives its key blocks' adds in
-  // a fixed order (sm80/dq_accum.h), ordered through dq_semaphore, int32 [B, N, ceil(T / 64)], zeroed
+  // increasing key-block order, ordered through dq_semaphore, int32 [B, N, ceil(T / 64)], zeroed
   // by the launcher (sm80/launch.h; the protocol: sm80/dq_accum.h). d(bias) is deterministic
   // only for a bias without broadcast axes (the lowering refuses the others).
   bool deterministic = false;
   int32_t* dq_semaphore = nullptr;
-  // Key blocks per chunk of the ordered backward kernels (sm80/dq_accum.h): at most the CTAs
-  // that fit on the GPU at once. Set by the sm80 launcher.
-  int dq_order_chunk = 1;
 
   // Forward workspace of the Hopper kernel's dynamic tile scheduler: int32 [1], zeroed by its
   // launcher (sm90/launch.h; the order: sm90/tile_scheduler.h). Null: a static schedule.
