@@ -220,8 +220,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     // reach a dQ tile one after the other, as its semaphore wants them.
     if (!ordered) j = (j + n_block) % num_steps;
     Step s;
-    s.g = j / m_per_head;
-    s.m0 = (m_block_min + j % m_per_head) * kBlockM;
+    if constexpr (kOrdered && kCausal) {
+      // The ordered causal kernel walks down from the last query tile, query heads innermost: then
+      // every key tile's CTA reaches tile (g, m) at the same step, whatever its diagonal, and
+      // follows the next-lower key tile only by the release's delay. Walking up from the
+      // diagonal, it reached its first tiles steps before the lower key tiles did.
+      s.g = j % G;
+      s.m0 = (m_block_end - 1 - j / G) * kBlockM;
+    } else {
+      s.g = j / m_per_head;
+      s.m0 = (m_block_min + j % m_per_head) * kBlockM;
+    }
     s.head = int64_t(kv_head) * G + s.g;
     return s;
   };
