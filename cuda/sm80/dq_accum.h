@@ -70,7 +70,7 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
 // was each step waiting out the round trips of the semaphore read and of the fence after the
 // adds; the ordered kernels now take both off the critical path (split protocol below). Orders
 // that follow the arrival of the CTAs at a tile (rotated walks, higher key blocks first for
-// causal) measured 0-3 % faster but make a CTA wait for CTAs issued after it: they deadlock
+// causal) measured no faster, and they make a CTA wait for CTAs issued after it: they deadlock
 // unless the whole group is resident, which another kernel on the GPU can prevent.
 __forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {
   const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
