@@ -347,8 +347,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
     }
   }
   if (bm != BenchMask::kNone) {
-    const double causal_pairs = 0.5 * double(T) * (T + 1);
-    B = std::max(1, int(std::lround(B * causal_pairs / pairs)));
+    const double plain_pairs = causal ? 0.5 * double(T) * (T + 1) : double(T) * T;
+    B = std::max(1, int(std::lround(B * plain_pairs / pairs)));
   }
   pairs *= B;
   p.B = B;
