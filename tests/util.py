@@ -80,7 +80,13 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
     assert not np.any(np.asarray(out, np.float32)[masked]), f"seed {seed}: masked rows must be 0"
     assert rel_err(np.where(masked, 0, lse_np), np.where(masked, 0, r_lse)) <= fwd_bound, f"seed {seed}: lse"
     names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
+    # d(bias) of a bias broadcast over both T and S sums whole rows of dS, and a row of dS sums to
+    # dlse (sum_j P_ij (dP_ij - D_i) = dlse_i): the result is far smaller than its terms, so the
+    # float32 rounding of P (from the saved LSE) weighs more against it (seen in float32: 4.7e-5
+    # for a scalar bias, T = 100, S = 130).
+    row_sums = bias is not None and bias.ndim == 4 and bias.shape[-2:] == (1, 1)
     for name, g, r in zip(names, grads, r_grads):
         assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype, r.dtype)
-        assert rel_err(g, r) <= grad_bound, f"seed {seed}: {name} error {rel_err(g, r)}"
+        bound = max(grad_bound, 2e-4) if name == "dbias" and row_sums else grad_bound
+        assert rel_err(g, r) <= bound, f"seed {seed}: {name} error {rel_err(g, r)}"
     return out, lse, grads
