@@ -8,7 +8,8 @@ Sweep: bf16, B*T = 16384, N*H = 2048 (H 64/128/256), T = S, causal and not; GQA 
 H=128. Each configuration gets fresh random inputs (never zeros). Timing: every function is jitted
 and warmed up (compile + 2 calls); then `--calls` back-to-back calls followed by one
 block_until_ready make a round, and the reported time is the median per-call time over `--rounds`
-rounds. fwd times the forward alone; bwd times the pullback of jax.vjp (taken once, outside the
+rounds. The rounds of one (configuration, pass) alternate between the implementations.
+fwd times the forward alone; bwd times the pullback of jax.vjp (taken once, outside the
 timed region) on a random cotangent; fwdbwd times jit(value_and_grad) of sum(out * w).
 FLOPs: forward 4*B*T*S*N*H, halved when causal; bwd 2.5x, fwdbwd 3.5x the forward.
 Impls jax_flashattn (the default dispatch: the Hopper forward on sm90) and jax_flashattn_sm80 (the
@@ -81,18 +82,19 @@ def forced_portable(name):
             os.environ["JFA_FORCE_SM80"] = old
 
 
-def time_per_call_ms(fn, args, calls, rounds) -> float:
+def warm_up(fn, args) -> None:
     jax.block_until_ready(fn(*args))  # compile
     for _ in range(2):
         jax.block_until_ready(fn(*args))
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) * 1e3 / calls)
-    return float(np.median(per_call))
+
+
+def round_ms(fn, args, calls) -> float:
+    """Per-call time of `calls` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def pass_functions(attn, causal):
@@ -148,21 +150,30 @@ def run(args) -> Path:
         w = jax.random.normal(kw, (batch, seqlen, heads, hdim), jnp.float32)
         for causal in args.causal:
             flops = 4 * batch * seqlen * seqlen * heads * hdim * (0.5 if causal else 1.0)
-            for name, attn in impls.items():
-                if name == "fa3" and hdim > 128:
-                    continue  # flash_attn3_jax's wheel has head dims <= 128 only
-                if name == "xla" and seqlen > args.xla_max_seqlen:
-                    continue  # XLA materialises B*N*T*S logits: slow and huge at long T
-                build = pass_functions(attn, causal)
-                for pass_ in args.passes:
+            for pass_ in args.passes:
+                # Every implementation is compiled and warmed up first; then the rounds alternate
+                # between them, so that clock and temperature drift within the run reach all alike.
+                ready = {}
+                for name, attn in impls.items():
+                    if name == "fa3" and hdim > 128:
+                        continue  # flash_attn3_jax's wheel has head dims <= 128 only
+                    if name == "xla" and seqlen > args.xla_max_seqlen:
+                        continue  # XLA materialises B*N*T*S logits: slow and huge at long T
                     try:
                         with forced_portable(name):
-                            fn, fn_args = build(pass_, q, k, v, w)
-                            ms = time_per_call_ms(fn, fn_args, args.calls, args.rounds)
+                            fn, fn_args = pass_functions(attn, causal)(pass_, q, k, v, w)
+                            warm_up(fn, fn_args)
                     except Exception as e:  # unsupported shape, OOM: report and go on
                         print(f"{name:<16}{hdim:>5}{seqlen:>7} causal={causal} {pass_}: "
                               f"failed: {str(e).splitlines()[0][:100]}")
                         continue
+                    ready[name] = (fn, fn_args, [])
+                for _ in range(args.rounds):
+                    for name, (fn, fn_args, times) in ready.items():
+                        with forced_portable(name):
+                            times.append(round_ms(fn, fn_args, args.calls))
+                for name, (_, _, times) in ready.items():
+                    ms = float(np.median(times))
                     tflops = PASS_FLOPS[pass_] * flops / (ms * 1e9)
                     writer.writerow([device.device_kind, name, args.dtype, hdim, seqlen, batch,
                                      heads, kv_heads, int(causal), pass_, f"{ms:.3f}",
@@ -171,6 +182,7 @@ def run(args) -> Path:
                     rows += 1
                     print(f"{name:<16}{hdim:>5}{seqlen:>7}{batch:>4}{heads:>4}{kv_heads:>4}"
                           f"{int(causal):>7}{pass_:>8}{ms:>10.3f}{tflops:>9.1f}", flush=True)
+                del ready
         del q, k, v, w
         gc.collect()
 
