@@ -14,6 +14,8 @@
 //   hdim 256: 128 x  80, 2 WGs, 2 stages  O alone is 128 f32 per thread, so S shrinks to 40;
 //             kBlockN = 80 (a valid wgmma N and a multiple of 16 for P·V's k) is what fits:
 //             Q 64 + K/V 2 x 2 x 40 = 224 KB, so O reuses Q's smem in the epilogue.
+// Short sequences take 128 x 128 with 2 WGs instead where that measured faster (launch.h: H 64
+// causal up to T = 1536, H 128 non-causal up to S = 2048).
 // Registers: setmaxnreg moves registers between warpgroups of a CTA; consumers can only gain what
 // the producer gives back from the launch allocation (65536 / threads, rounded down to 8: 168 for
 // 384 threads, 128 for 512). 2 consumers: producer 24, consumers 240 (128·24 + 256·240 = 168·384);

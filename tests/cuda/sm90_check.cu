@@ -6,12 +6,15 @@
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only
 // ./harness --masks   timing of the masked forward against plain causal (issue 5's speed table)
+// ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
+// ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal   one 16k timing (for ncu: its 4th launch is the first timed one)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -300,8 +303,10 @@ static void run_case(const Config& c, std::mt19937& rng) {
   for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, d_o, (void*)d_lse}) CK(cudaFree(ptr));
 }
 
+static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
+
 // Masks of the speed table (issue 5): causal attention plus one feature, on T = S.
-enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap };
+enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow };
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
     case BenchMask::kNone: return "plain";
@@ -309,6 +314,7 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kAlibi: return "alibi";
     case BenchMask::kSegments: return "segments(4 x T/4)";
     case BenchMask::kSoftcap: return "softcap";
+    case BenchMask::kWideWindow: return "window(T,0)";  // hides nothing: the general kernel's own cost
   }
   return "?";
 }
@@ -326,6 +332,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
   p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
   MaskOperands masks;
   if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
+  if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
   if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
   if (bm == BenchMask::kAlibi)
     for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
@@ -413,7 +420,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
 #ifdef JFA_CHECK_NO_SM80
   const float t80 = 0.f;
 #else
-  const float t80 = jfa::sm80::is_built(dt, H) ? time(false) : 0.f;
+  const float t80 = jfa::sm80::is_built(dt, H) && !g_skip_sm80 ? time(false) : 0.f;
 #endif
   printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d mask=%s | sm90 fwd %.3f ms %.1f TFLOP/s | sm80 fwd %.3f ms %.1f "
          "TFLOP/s (useful FLOPs)\n",
@@ -425,10 +432,63 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
   CK(cudaStreamDestroy(s));
 }
 
+// Host time of one forward call (descriptors, attributes, counter reset, launch) on a problem
+// whose kernel takes a few microseconds, beside the CUDA calls it is made of: at T = 1k the GPU
+// time per call is ~150 us, and through JAX the host's share per call adds to that when it runs dry.
+static void host_cost() {
+  AttentionParams p;
+  p.B = 1; p.T = 64; p.S = 64; p.N = 1; p.K = 1; p.H = 128; p.Hv = 128; p.dtype = DType::kBFloat16;
+  p.scale = 0.088f; p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.is_causal = true;
+  p.tile_counter = tile_counter();
+  void* bufs[4];
+  for (auto& b : bufs) { CK(cudaMalloc(&b, 64 * 128 * 2)); CK(cudaMemset(b, 0, 64 * 128 * 2)); }
+  float* lse;
+  CK(cudaMalloc(&lse, 64 * 4));
+  auto st = jfa::packed_strides(64, 1, 128);
+  p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3];
+  p.q_strides = p.k_strides = p.v_strides = p.o_strides = st;
+  p.lse = lse; p.lse_strides = jfa::Strides{64, 1, 1};
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  auto per_call_us = [&](auto&& fn) {
+    for (int i = 0; i < 50; ++i) fn();
+    CK(cudaStreamSynchronize(s));
+    const int n = 2000;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) fn();
+    const auto t1 = std::chrono::steady_clock::now();
+    CK(cudaStreamSynchronize(s));
+    return std::chrono::duration<double, std::micro>(t1 - t0).count() / n;
+  };
+  printf("HOST sm90 forward call: %.1f us\n", per_call_us([&] { CK(jfa::sm90::forward(p, s)); }));
+  printf("HOST cudaMemsetAsync (4 bytes): %.1f us\n",
+         per_call_us([&] { CK(cudaMemsetAsync(p.tile_counter, 0, 4, s)); }));
+  printf("HOST cudaGetDriverEntryPointByVersion: %.1f us\n", per_call_us([&] {
+           void* fn = nullptr;
+           cudaDriverEntryPointQueryResult q;
+           CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+         }));
+  for (auto& b : bufs) CK(cudaFree(b));
+  CK(cudaFree(lse));
+  CK(cudaStreamDestroy(s));
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--profile" && argc == 4) {
     bench(DType::kBFloat16, std::atoi(argv[2]), 1, 16384, 2048 / std::atoi(argv[2]), std::atoi(argv[3]) != 0);
+    return 0;
+  }
+  if (mode == "--hostcost") {
+    host_cost();
+    return 0;
+  }
+  if (mode == "--lengths") {  // the sweep's lengths at B·T = 16k, for tile choices by length
+    g_skip_sm80 = true;
+    for (int H : {64, 128, 256})
+      for (bool causal : {false, true})
+        for (int T : {1024, 2048, 4096, 8192, 16384}) bench(DType::kBFloat16, H, 16384 / T, T, 2048 / H, causal);
     return 0;
   }
   const bool small = mode == "--small", masks_only = mode == "--masks";
@@ -443,6 +503,7 @@ int main(int argc, char** argv) {
       for (bool causal : {false, true}) {
         cases.push_back({1, 17, 33, 2, 1, H, causal, BF, 0});
         cases.push_back({2, 200, 150, 2, 2, H, causal, FP, 8});
+        cases.push_back({1, 1600, 2100, 2, 1, H, causal, BF, 0});  // past the short-sequence tiles
       }
     for (int H : {64, 128, 256}) {  // the general (masked) path
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
@@ -460,6 +521,9 @@ int main(int argc, char** argv) {
         cases.push_back({1, 1000, 255, 8, 1, H, causal, FP, 0});   // MQA
         cases.push_back({2, 255, 300, 4, 2, H, causal, BF, 8});    // non-packed strides
         cases.push_back({3, 1100, 1100, 16, 4, H, causal, BF, 0}); // many tiles per CTA (persistent)
+        // Both sides of launch.h's short-sequence tile choice (T <= 1536 causal, S <= 2048 not).
+        cases.push_back({1, 2100, 2100, 2, 1, H, causal, BF, 0});
+        cases.push_back({1, 1500, 2100, 2, 1, H, causal, FP, 0});
       }
     const int kAll = kWindow | kBottomRight | kLengths | kSegments | kSoftcap | kAlibi | kBias | kMask;
     for (int H : {64, 128, 256}) {  // the general path: each feature, then combinations
@@ -479,8 +543,8 @@ int main(int argc, char** argv) {
   }
   if (masks_only)
     for (int H : {64, 128, 256})
-      for (BenchMask m : {BenchMask::kNone, BenchMask::kWindow, BenchMask::kAlibi, BenchMask::kSegments,
-                          BenchMask::kSoftcap})
+      for (BenchMask m : {BenchMask::kNone, BenchMask::kWideWindow, BenchMask::kWindow, BenchMask::kAlibi,
+                          BenchMask::kSegments, BenchMask::kSoftcap})
         bench(BF, H, 1, 16384, 2048 / H, true, m);
   printf("%d failures\n", g_failures);
   return g_failures ? 1 : 0;
