@@ -168,8 +168,8 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
                 slopes.shape[-1] != N or (slopes.ndim == 2 and slopes.shape[0] not in (1, B)):
             raise ValueError(f"alibi_slopes must be float [N] or [B, N] with B={B}, N={N}, "
                              f"got {slopes.dtype} {jnp.shape(alibi_slopes)}")
-        # Slopes are constants of the model (ALiBi fixes them): not differentiated.
-        ex["alibi_slopes"] = jax.lax.stop_gradient(slopes.reshape((-1, N)).astype(jnp.float32))
+        # Differentiable (learned slopes): the gradient flows back through reshape and cast.
+        ex["alibi_slopes"] = slopes.reshape((-1, N)).astype(jnp.float32)
     if rate > 0:
         ex["dropout_seeds"] = _dropout.seeds_for_batch(_dropout.key_words(dropout_rng), B)
     return config, Extras(**ex)

@@ -40,8 +40,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
         sequences; a query sees a key only if their ids are equal.
       softcap: float > 0: logits ← softcap · tanh(logits / softcap) after scaling, before bias
         and masks.
-      alibi_slopes: float [N] or [B, N]: adds -slope · |pos_q - pos_k| to the logits (not
-        differentiated).
+      alibi_slopes: float [N] or [B, N]: adds -slope · |pos_q - pos_k| to the logits.
+        Differentiable (learned slopes): d(slope) = -Σ d(logit) · |pos_q - pos_k|.
       dropout_rate: static float in [0, 1): dropout on the attention probabilities, with
         dropout_rng (a JAX PRNG key, may be traced). The mask is a pure function of the key and
         the (batch, head, query, key) coordinates (jax_flashattn.dropout), never stored.

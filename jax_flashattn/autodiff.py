@@ -4,8 +4,9 @@ extra operands.
 The backward pass recomputes the softmax from the saved LSE inside the kernel (and regenerates
 the dropout mask from its seeds), so no T×S tensor exists in either direction. The LSE output is
 differentiable: its cotangent enters the backward kernel as D = rowsum(dO∘O) − dLSE. Of the extra
-operands only the bias is differentiable (d(bias) = dS, reduced over its broadcast axes); masks,
-lengths, segment ids, ALiBi slopes and seeds get no gradient.
+operands the bias (d(bias) = dS, reduced over its broadcast axes) and the ALiBi slopes
+(d(slope) = −Σ dS·|pos_q − pos_k|, per batch element and head) are differentiable; masks,
+lengths, segment ids and seeds get no gradient.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
 _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for an absent operand
+_REST_SLOPES = Extras._fields.index("alibi_slopes") - 1  # its index in `rest` (Extras without bias)
 
 
 def _operands(bias, rest):
@@ -45,10 +47,14 @@ def _bwd(scale, config, implementation, residuals, cotangents):
     do, dlse = cotangents
     do = jnp.asarray(do, dtype=o.dtype)
     dlse = jnp.asarray(dlse, dtype=jnp.float32)
-    dq, dk, dv, dbias = attention_bwd_p.bind(q, k, v, o, lse, do, dlse, *_operands(bias, rest),
-                                             scale=scale, config=config,
-                                             implementation=implementation)
-    return dq, dk, dv, (None if bias is None else dbias), None
+    dq, dk, dv, dbias, dslopes = attention_bwd_p.bind(q, k, v, o, lse, do, dlse,
+                                                      *_operands(bias, rest), scale=scale,
+                                                      config=config, implementation=implementation)
+    slopes = rest[_REST_SLOPES]
+    if slopes is not None and slopes.shape[0] == 1:  # shared by the batch: sum its elements' shares
+        dslopes = jnp.sum(dslopes, axis=0, keepdims=True)
+    d_rest = tuple(dslopes if i == _REST_SLOPES and x is not None else None for i, x in enumerate(rest))
+    return dq, dk, dv, (None if bias is None else dbias), d_rest
 
 
 attention_core.defvjp(_fwd, _bwd)

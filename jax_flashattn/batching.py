@@ -47,17 +47,19 @@ def _batch_rule(prim, num_tensors):
         outs = prim.bind(*folded, **params)
         if prim is attention_fwd_p:
             return [_unfold(size, o) for o in outs], [0] * len(outs)
-        dq, dk, dv, dbias = outs
+        dq, dk, dv, dbias, dslopes = outs
         out = [_unfold(size, o) for o in (dq, dk, dv)]
+        # d(slopes) is per batch element ([B, N]) whatever the slopes' shape: it unfolds like dq.
+        dslopes, slopes_dim = (dslopes, not_mapped) if dslopes.ndim == 0 else (_unfold(size, dslopes), 0)
         bias = args[num_tensors]
         if bias.ndim == 0:
-            return out + [dbias], [0, 0, 0, not_mapped]
+            return out + [dbias, dslopes], [0, 0, 0, not_mapped, slopes_dim]
         dbias = _unfold(size, dbias)
         bias_batch = bias.shape[0] if dims[num_tensors] is not_mapped else \
             jnp.moveaxis(bias, dims[num_tensors], 0).shape[1]
         if bias_batch == 1:  # the instance's bias was shared by its batch: sum its gradient
             dbias = jnp.sum(dbias, axis=1, keepdims=True)
-        return out + [dbias], [0, 0, 0, 0]
+        return out + [dbias, dslopes], [0, 0, 0, 0, slopes_dim]
     return rule
 
 

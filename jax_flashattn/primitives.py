@@ -2,10 +2,11 @@
 
 Two primitives, both in the public layout (q BTNH, k BSKH, v BSKHv, lse BTN float32):
   attention_fwd_p(q, k, v, *extras)                        -> (o, lse)
-  attention_bwd_p(q, k, v, o, lse, do, dlse, *extras)      -> (dq, dk, dv, dbias)
+  attention_bwd_p(q, k, v, o, lse, do, dlse, *extras)      -> (dq, dk, dv, dbias, dslopes)
 extras are the eight operands of _options.Extras in order (bias, mask, lengths, segment ids,
 ALiBi slopes, dropout seeds), each a rank-0 placeholder where absent; dbias is float32 in the
-bias's shape, or a rank-0 placeholder. Parameters: scale (float), config (_options.MaskConfig),
+bias's shape, dslopes float32 [B, N] (per batch element, also for slopes shared by the batch),
+each a rank-0 placeholder without its operand. Parameters: scale (float), config (_options.MaskConfig),
 implementation (None, 'cpu' or 'cuda'). Inputs are validated by the public functions first.
 """
 from __future__ import annotations
@@ -33,10 +34,18 @@ def _fwd_abstract_eval(q, k, v, *extras, scale, config, implementation):
     return (ShapedArray((B, T, N, Hv), q.dtype), ShapedArray((B, T, N), jnp.float32))
 
 
+_SLOPES = Extras._fields.index("alibi_slopes")
+
+
+def _dslopes_shape(q, extras):
+    return () if extras[_SLOPES].ndim == 0 else (q.shape[0], q.shape[2])
+
+
 def _bwd_abstract_eval(q, k, v, o, lse, do, dlse, *extras, scale, config, implementation):
     bias = extras[0]
     return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
-            ShapedArray(v.shape, v.dtype), ShapedArray(bias.shape, jnp.float32))
+            ShapedArray(v.shape, v.dtype), ShapedArray(bias.shape, jnp.float32),
+            ShapedArray(_dslopes_shape(q, extras), jnp.float32))
 
 
 attention_fwd_p.def_impl(partial(apply_primitive, attention_fwd_p))
@@ -151,16 +160,21 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
     # d(bias): float32 in the bias's shape (a rank-0 placeholder without a bias), as on the CPU.
     shapes.append(jax.ShapeDtypeStruct(extras[0].shape, jnp.float32))
+    # d(ALiBi slopes): partial sums per 64 keys (jfa::kDslopeKeys), added up below in a fixed order.
+    slopes = extras[_SLOPES].ndim != 0
+    shapes.append(jax.ShapeDtypeStruct((B, N, -(-k.shape[1] // 64)) if slopes else (), jnp.float32))
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
     # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
     # With deterministic=True, a semaphore per dQ tile orders the adds (zeroed by the kernels).
     shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32),
                jax.ShapeDtypeStruct((B, N, _dq_semaphores(T)), jnp.int32)]
-    dq, dk, dv, dbias, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
+    dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
         **_mask_ffi_attrs(scale, config), deterministic=np.int32(config.deterministic))
-    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias
+    if slopes:
+        dslopes = jnp.sum(dslopes, axis=-1)
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias, dslopes
 
 
 def _check_deterministic_bias(config, q, k, bias):

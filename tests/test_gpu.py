@@ -286,6 +286,7 @@ DETERMINISTIC_CASES = {
     "causal_gqa": (dict(is_causal=True), None),
     "window_segments_lengths": (dict(local_window_size=(70, 20), key_value_seq_lengths=[400, 333]), "segments"),
     "bias_dropout": (dict(dropout_rate=0.2), "bias"),
+    "alibi_window": (dict(is_causal=True, local_window_size=(300, 0)), "alibi"),  # d(slopes) too
 }
 
 
@@ -306,17 +307,21 @@ def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
         kw["dropout_rng"] = jax.random.key(seed + 7)
     bias = (jax.random.normal(jax.random.key(seed + 3), (B, N, T, S), jnp.float32)
             if extra == "bias" else None)
+    slopes = jnp.linspace(0.02, 0.3, N, dtype=jnp.float32) if extra == "alibi" else None
     q, k, v = random_qkv(seed, B, T, S, N, K, H, dtype=BF16)
     do = jax.random.normal(jax.random.key(seed + 1), (B, T, N, H)).astype(BF16)
 
     @jax.jit
-    def grads(q, k, v, bias):
-        return jax.vjp(lambda q, k, v, b: jfa.flash_attention(q, k, v, bias=b, **kw), q, k, v, bias)[1](do)
+    def grads(q, k, v, bias, slopes):
+        return jax.vjp(lambda q, k, v, b, s: jfa.flash_attention(q, k, v, bias=b, alibi_slopes=s, **kw),
+                       q, k, v, bias, slopes)[1](do)
 
-    first, second = grads(q, k, v, bias), grads(q, k, v, bias)
+    first, second = grads(q, k, v, bias, slopes), grads(q, k, v, bias, slopes)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
     if "dropout_rate" not in kw:  # the reference has no dropout stream of its own here
+        if slopes is not None:
+            kw = dict(kw, alibi_slopes=slopes)
         ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
         compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias, ref_kw=ref_kw)
 

@@ -114,3 +114,28 @@ def test_compiled_memory_has_no_txs_buffer():
     peer = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
         q, k, v, is_causal=True)), argnums=(0, 1, 2))).lower(q, k, v).compile()
     assert peer.memory_analysis().temp_size_in_bytes >= T * S * 4
+
+
+@pytest.mark.parametrize("slopes_shape,mapped", [("N", False), ("N", True), ("BN", False)],
+                         ids=["shared", "mapped", "per_batch"])
+def test_alibi_slope_gradient_under_vmap(slopes_shape, mapped):
+    """vmap of grad: d(slopes) per vmapped instance, summed over the batch for [N] slopes; the
+    slopes' dtype (bfloat16 here) is kept for their gradient."""
+    seed = fresh_seed()
+    V, B, T, S, N, K, H = 2, 3, 21, 30, 4, 2, 16
+    q, k, v = random_qkv(seed, V * B, T, S, N, K, H)
+    q, k, v = (x.reshape((V, B) + x.shape[1:]) for x in (q, k, v))
+    rng = np.random.default_rng(seed)
+    shape = (N,) if slopes_shape == "N" else (B, N)
+    slopes = jnp.asarray(rng.uniform(0.05, 0.5, ((V,) if mapped else ()) + shape), jnp.bfloat16)
+
+    def loss(fn):
+        return lambda s, q, k, v: jnp.sum(jnp.tanh(fn(q, k, v, s)))
+
+    ours_fn = lambda q, k, v, s: jfa.flash_attention(q, k, v, is_causal=True, alibi_slopes=s)  # noqa
+    ref_fn = lambda q, k, v, s: _ref_out(q, k, v, is_causal=True, alibi_slopes=s.astype(jnp.float32))  # noqa
+    in_axes = (0 if mapped else None, 0, 0, 0)
+    ours = jax.vmap(jax.grad(loss(ours_fn)), in_axes=in_axes)(slopes, q, k, v)
+    ref = jax.vmap(jax.grad(loss(ref_fn)), in_axes=in_axes)(slopes.astype(jnp.float32), q, k, v)
+    assert ours.dtype == jnp.bfloat16 and ours.shape == (V,) + shape
+    assert rel_err(ours, ref) <= 1e-2, f"seed {seed}: {rel_err(ours, ref)}"  # bfloat16 rounding

@@ -50,6 +50,7 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
     ours (jitted) against the float32 reference with the same keywords; asserts the bounds.
 
     kw holds every keyword but bias; ref_kw, if given, replaces kw for the reference (dropout).
+    ALiBi slopes in kw are differentiated too (both sides take the same slopes).
     Rows the reference leaves fully masked must give out = 0 and lse = -inf exactly.
     """
     import jax_flashattn as jfa
@@ -59,16 +60,19 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
     do = jax.random.normal(keys[0], (B, T, N, H)).astype(dtype)
     dlse = jax.random.normal(keys[1], (B, T, N), jnp.float32)
     ref_kw = kw if ref_kw is None else ref_kw
+    slopes = kw.get("alibi_slopes")
+    kw = {name: x for name, x in kw.items() if name != "alibi_slopes"}
+    ref_kw = {name: x for name, x in ref_kw.items() if name != "alibi_slopes"}
 
-    def ours(q, k, v, bias):
-        return jfa.flash_attention(q, k, v, bias=bias, return_lse=True, **kw)
+    def ours(q, k, v, bias, slopes):
+        return jfa.flash_attention(q, k, v, bias=bias, alibi_slopes=slopes, return_lse=True, **kw)
 
-    def ref(q, k, v, bias):
+    def ref(q, k, v, bias, slopes):
         up = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
-        return attention_reference(up(q), up(k), up(v), bias=up(bias), **ref_kw)
+        return attention_reference(up(q), up(k), up(v), bias=up(bias), alibi_slopes=slopes, **ref_kw)
 
-    (out, lse), vjp = jax.vjp(jax.jit(ours), q, k, v, bias)
-    (r_out, r_lse), r_vjp = jax.vjp(ref, q, k, v, bias)
+    (out, lse), vjp = jax.vjp(jax.jit(ours), q, k, v, bias, slopes)
+    (r_out, r_lse), r_vjp = jax.vjp(ref, q, k, v, bias, slopes)
     masked = ~np.isfinite(np.asarray(r_lse))
     dlse = jnp.where(masked, 0.0, dlse)
     grads, r_grads = vjp((do, dlse)), r_vjp((do.astype(jnp.float32), dlse))
@@ -79,7 +83,9 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
     assert np.all(np.isneginf(lse_np[masked])), f"seed {seed}: masked lse must be -inf"
     assert not np.any(np.asarray(out, np.float32)[masked]), f"seed {seed}: masked rows must be 0"
     assert rel_err(np.where(masked, 0, lse_np), np.where(masked, 0, r_lse)) <= fwd_bound, f"seed {seed}: lse"
-    names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ())
+    names = ("dq", "dk", "dv", "dbias", "dslopes")
+    grads, r_grads = zip(*[(g, r) for g, r in zip(grads, r_grads) if g is not None])
+    names = [name for name, x in zip(names, (q, k, v, bias, slopes)) if x is not None]
     # d(bias) of a bias broadcast over both T and S sums whole rows of dS, and a row of dS sums to
     # dlse (sum_j P_ij (dP_ij - D_i) = dlse_i): the result is far smaller than its terms, so the
     # float32 rounding of P (from the saved LSE) weighs more against it (seen in float32: 4.7e-5

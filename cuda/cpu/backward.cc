@@ -3,6 +3,8 @@
 //   pass 1, per (b, kv head, key block): dK, dV summed over the G query heads and all query blocks;
 //   pass 2, per (b, n, query block): dQ summed over key blocks;
 //   pass 3, only with a bias: d(bias) in the bias's broadcast shape (bias_grad.cc).
+// With ALiBi, pass 2 also sums dS·|pos_i - j| per (b, n, query block) for the slopes' gradient;
+// the blocks' sums are added up in order afterwards (deterministic like the rest).
 // Masks skip whole tiles in every pass (masking.h). Dropout regenerates the forward's mask:
 // dV uses the dropped P, and dP = dO·Vᵀ is scaled by keep / (1 - rate) before dS. Soft-capping
 // multiplies dS by 1 - tanh² before dQ and dK; d(bias) is dS itself.
@@ -100,8 +102,25 @@ struct QueryBlockScratch {
   std::vector<float> lse2, d;    // [kBr]
 };
 
-void query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
-                      QueryBlockScratch& w) {
+// sum over a dSᵀ tile (keys x rows, ld kBr) of dS_ij · |pos_i - j|: this tile's share of
+// -d(loss)/d(slope). Hidden elements have P = 0, so dS = 0 there.
+double alibi_distance_dot(const float* dst, int keys, int rows, int64_t pos0, int64_t j0) {
+  double sum = 0.0;
+  for (int c = 0; c < keys; ++c) {
+    const float* col = dst + static_cast<size_t>(c) * kBr;
+    float acc = 0.f;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t d = pos0 + r - (j0 + c);
+      acc += col[r] * static_cast<float>(d < 0 ? -d : d);
+    }
+    sum += acc;
+  }
+  return sum;
+}
+
+// dQ of one query block; returns its share of -d(loss)/d(slope) with ALiBi (else 0).
+double query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
+                        QueryBlockScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv), Hp = round_up_columns(H);
   const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
   const int64_t kv_head = n / p.group_size();
@@ -115,6 +134,8 @@ void query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b
   const SequenceBounds bounds = sequence_bounds(p, b);
   const KeyRange range = key_range(p, bounds, i0, rows);
   const bool softcap = p.mask.softcap > 0.f;
+  const bool slopes = p.mask.dslopes != nullptr;
+  double slope_dot = 0.0;
   for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
     const TileCoords tile{b, n, i0, rows, j0, keys};
@@ -130,10 +151,12 @@ void query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b
     gemm(keys, kBr, Hv, vb.data, vb.ld, w.doutt.data(), kBr, w.dpt.data(), kBr, false);  // dPᵀ
     if (p.mask.has_dropout()) apply_dropout(p, tile, w.dpt.data(), kBr, /*transposed=*/true);
     ds_from_dp_col(w.dpt.data(), w.st.data(), keys, kBr, kBr, w.d.data());           // dSᵀ
+    if (slopes) slope_dot += alibi_distance_dot(w.dpt.data(), keys, rows, i0 + bounds.offset, j0);
     if (softcap) multiply_tiles(w.dpt.data(), w.sgt.data(), keys, rows, kBr);
     gemm_at(rows, Hp, keys, w.dpt.data(), kBr, kb.data, kb.ld, w.dq.data(), Hp, true);  // dQ += dS·K
   }
   store_rows(p.dq, p.dtype, p.dq_strides, b, n, i0, rows, H, p.scale, w.dq.data(), Hp);
+  return slope_dot;
 }
 
 }  // namespace
@@ -159,10 +182,18 @@ void backward(const AttentionParams& p) {
   const int64_t q_blocks = (p.T + kBr - 1) / kBr;
   const int64_t query_items = p.B * p.N * q_blocks;
   std::vector<QueryBlockScratch> scratch(num_threads_for(query_items), QueryBlockScratch(H, Hv));
+  std::vector<double> slope_dots(p.mask.dslopes != nullptr ? query_items : 0);
   parallel_for(query_items, [&](int thread, int64_t item) {
     const int64_t qb = q_blocks - 1 - item % q_blocks, bn = item / q_blocks;
-    query_block_item(p, stats, bn / p.N, bn % p.N, qb * kBr, scratch[thread]);
+    const double dot = query_block_item(p, stats, bn / p.N, bn % p.N, qb * kBr, scratch[thread]);
+    if (!slope_dots.empty()) slope_dots[item] = dot;
   });
+  // d(slope) = -sum dS·|pos_i - j| (the ALiBi term is -slope·|pos_i - j|), one slot per (b, n).
+  for (int64_t bn = 0; p.mask.dslopes != nullptr && bn < p.B * p.N; ++bn) {
+    double sum = 0.0;
+    for (int64_t qb = 0; qb < q_blocks; ++qb) sum += slope_dots[bn * q_blocks + qb];
+    p.mask.dslopes[bn * p.mask.dslope_slots] = static_cast<float>(-sum);
+  }
 
   if (p.mask.bias != nullptr) bias_gradient(p, stats);
 }

@@ -40,7 +40,8 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
                        ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                       ffi::Result<ffi::AnyBuffer> dbias, float scale, int32_t is_causal,
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dslopes,
+                       float scale, int32_t is_causal,
                        int32_t bottom_right, int64_t window_left, int64_t window_right,
                        float softcap, float dropout_rate) {
   AttentionParams p;
@@ -52,6 +53,8 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
+  // The CPU backward adds its partial sums up itself.
+  if (auto e = ffi_decode::decode_dslopes(*dslopes, ffi_decode::kDslopesComplete, &p); e.failure()) return e;
   cpu::backward(p);
   return ffi::Error::Success();
 }
@@ -104,6 +107,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCpu, jfa::BackwardCpu,
       .Ret<xla::ffi::AnyBuffer>()  // dk
       .Ret<xla::ffi::AnyBuffer>()  // dv
       .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
+      .Ret<xla::ffi::AnyBuffer>()  // dslopes, float32 [B, N] (rank 0 without ALiBi slopes)
       .Attr<float>("scale")
       .Attr<int32_t>("is_causal")
       .Attr<int32_t>("bottom_right")

@@ -123,7 +123,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer q_segment_chunks, ffi::AnyBuffer kv_segment_chunks,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> dq_accum,
+                        ffi::Result<ffi::AnyBuffer> dslopes, ffi::Result<ffi::AnyBuffer> dq_accum,
                         ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dq_semaphore,
                         float scale, int32_t is_causal, int32_t bottom_right, int64_t window_left,
                         int64_t window_right, float softcap, float dropout_rate, int32_t deterministic) {
@@ -137,6 +137,9 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
+  // One slot per 64 keys: a backward CTA owns a key tile of 64 or 128 keys (sm80/kernel_traits.h).
+  if (auto e = ffi_decode::decode_dslopes(*dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
+    return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.N, p.dq_accum_rows(), p.H},
                                   ffi::DataType::F32);
@@ -163,11 +166,17 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   p.deterministic = deterministic != 0;
   p.dq_semaphore = static_cast<int32_t*>(dq_semaphore->untyped_data());
   if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) {
-    // Nothing to launch; d(bias) (sized by the bias, maybe non-empty) is still all zeros.
+    // Nothing to launch; d(bias) and d(slopes) (maybe non-empty) are still all zeros.
     if (p.mask.dbias != nullptr) {
       const int64_t* d = p.mask.bias_dims;
       const size_t bytes = size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float);
-      if (bytes > 0) return launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, stream), "dbias memset");
+      if (bytes > 0)
+        if (auto e = launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, stream), "dbias memset"); e.failure())
+          return e;
+    }
+    if (p.mask.dslopes != nullptr) {
+      const size_t bytes = size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float);
+      if (bytes > 0) return launched(cudaMemsetAsync(p.mask.dslopes, 0, bytes, stream), "dslopes memset");
     }
     return ffi::Error::Success();
   }
@@ -229,6 +238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dk
                                   .Ret<xla::ffi::AnyBuffer>()  // dv
                                   .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dslopes, float32 [B, N, ceil(S/64)] partial sums (rank 0 without ALiBi)
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
                                   .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]

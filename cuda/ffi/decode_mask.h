@@ -144,4 +144,23 @@ inline ffi::Error decode_dbias(ffi::AnyBuffer dbias, AttentionParams* p) {
   return ffi::Error::Success();
 }
 
+// The d(ALiBi slopes) output, or a rank-0 placeholder without slopes: float32 [B, N, slots] of
+// partial sums (MaskParams::dslopes) that the caller adds up, or with kDslopesComplete float32
+// [B, N], the sums themselves (one slot).
+inline constexpr int64_t kDslopesComplete = 0;
+inline ffi::Error decode_dslopes(ffi::AnyBuffer dslopes, int64_t slots, AttentionParams* p) {
+  if (p->mask.alibi_slopes == nullptr) {
+    if (present(dslopes)) return invalid("dslopes output given without alibi_slopes");
+    return ffi::Error::Success();
+  }
+  if (slots == kDslopesComplete) {
+    if (auto e = expect(dslopes, "dslopes", {p->B, p->N}, ffi::DataType::F32); e.failure()) return e;
+  } else if (auto e = expect(dslopes, "dslopes", {p->B, p->N, slots}, ffi::DataType::F32); e.failure()) {
+    return e;
+  }
+  p->mask.dslopes = static_cast<float*>(dslopes.untyped_data());
+  p->mask.dslope_slots = slots == kDslopesComplete ? 1 : slots;
+  return ffi::Error::Success();
+}
+
 }  // namespace jfa::ffi_decode

@@ -15,6 +15,7 @@
 // of query_range, computes dS = P∘(dP·z − D)·(1 − tanh²) in one element pass (z: dropout
 // multiplier; dV sees P·z) and adds d(bias) = P∘(dP·z − D) into p.mask.dbias with float32
 // atomics (zeroed by run_bwd; the summation order over broadcast axes is not deterministic).
+// With ALiBi it also sums d(slope) = -sum dS·|pos - j| per (batch, head, key tile), without atomics.
 // deterministic=True orders the dQ adds by key tile (dq_accum.h): compiled in by kOrdered (the
 // plain and causal kernels' own ordered variants) or tested at run time by the general kernel.
 #pragma once
@@ -143,6 +144,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   const int T = int(p.T), S = int(p.S);
   const int G = int(p.N / p.K);
   const int n0 = n_block * kBlockN;
+  // With ALiBi (general kernels): each warp's share of sum dS·|pos - j| of a step, added up in
+  // warp order by thread 0 into this key tile's d(slope) slot (deterministic, no atomics).
+  static_assert(kBlockN % kDslopeKeys == 0, "a d(slope) slot must belong to one key tile");
+  __shared__ float dslope_warp_sums[kGeneral ? Traits::kNWarps : 1];
 
   // Query tiles [x, y) that see key tile nb: causal (top-left) skips those entirely above the
   // diagonal; the general path those that cannot see it by position (causal, window, lengths) or
@@ -400,6 +405,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
             segments_split(p, segment_ids(p.mask.q_segment_chunks, batch, T, cur.m0, kBlockM), kv_seg);
         constexpr bool dropout = kDropout;
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
+        const bool slopes_grad = p.mask.dslopes != nullptr;
+        float slope_dot = 0.f;  // sum of dS·|pos - j| over this thread's elements
         CUTE_UNROLL
         for (int mi = 0; mi < kNRows; ++mi) {
           const int row = cur.m0 + get<0>(tScS_rc(mi, 0));
@@ -420,10 +427,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
               const float ds = prob * (dS(mi, ni + e) * ze - dsum[mi]);
               if (dbias_row != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative
                 atomicAdd(dbias_row + (col + e) * rp.bias_col, ds);
+              if (slopes_grad) {  // the ALiBi term is -slope·|pos - j|: d(slope) = -sum dS·|pos - j|
+                const int d = rp.pos - (col + e);
+                slope_dot = fmaf(ds, float(d < 0 ? -d : d), slope_dot);
+              }
               scores(mi, ni + e) = prob * ze;
               dS(mi, ni + e) = ds * g;
             }
           }
+        }
+        if (slopes_grad) {
+          CUTE_UNROLL
+          for (int offset = 16; offset > 0; offset /= 2) slope_dot += __shfl_xor_sync(0xffffffffu, slope_dot, offset);
+          if (tidx % 32 == 0) dslope_warp_sums[tidx / 32] = slope_dot;  // read after the next barrier
         }
         Tensor rP = convert_type<Element>(acc_s);
         cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
@@ -458,6 +474,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       Tensor rdS = convert_type<Element>(acc_dp);
       cute::copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), tdSsdS);
       __syncthreads();  // sP, sdS complete
+      if constexpr (kGeneral) {
+        // This step's d(slope) share into the slot of (batch, head, key tile). Only this thread
+        // writes the slot, step after step; the warps' next sums are written after the next
+        // step's first barrier, which this thread reaches only after this read.
+        if (tidx == 0 && p.mask.dslopes != nullptr) {
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int w = 0; w < Traits::kNWarps; ++w) sum += dslope_warp_sums[w];
+          p.mask.dslopes[(batch * p.N + cur.head) * p.mask.dslope_slots + n0 / kDslopeKeys] -= sum;
+        }
+      }
       // Ordered kernels: read the semaphore of this step's dQ tile now, so that the read's round
       // trip overlaps the gemms before the add, which then usually finds its turn already there.
       if constexpr (kOrdered)

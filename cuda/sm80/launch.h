@@ -84,6 +84,11 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
     err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
   }
+  // d(slope) slots: each is a sum over the steps of its key tile's CTA, and some are never visited.
+  if (p.mask.dslopes != nullptr) {
+    err = cudaMemsetAsync(p.mask.dslopes, 0, size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
 
   constexpr int kLanesPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
   constexpr int kRowsPerBlock = 256 / kLanesPerRow;

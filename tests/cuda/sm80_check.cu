@@ -175,7 +175,7 @@ static double rel_err(const std::vector<double>& out, const std::vector<double>&
 
 // Double-precision reference over (b, n) pairs in parallel threads.
 struct Ref {
-  std::vector<double> o, lse, dq, dk, dv, dbias;
+  std::vector<double> o, lse, dq, dk, dv, dbias, dslopes;  // dslopes [B, N]
 };
 
 // `hp`: the call's parameters with host pointers (only is_causal, shapes and hp.mask are read).
@@ -192,6 +192,7 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
   r.dq.assign(size_t(B) * T * N * H, 0);
   r.dk.assign(size_t(B) * S * K * H, 0);
   r.dv.assign(size_t(B) * S * K * H, 0);
+  r.dslopes.assign(fm.alibi_slopes != nullptr ? size_t(B) * N : 0, 0);
   // dk/dv are accumulated per query head then summed over the group: keep per-(b,n) buffers.
   std::vector<std::vector<double>> dk_part(size_t(B) * N), dv_part(size_t(B) * N);
   auto work = [&](int bn) {
@@ -267,6 +268,7 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
         for (int d = 0; d < H; ++d) acc += dod[t * H + d] * vd[s * H + d];
         dp[s] = p[s] * (acc * z[s] - Dsum + g);  // dS (d of the final logit)
         if (!ds_full.empty()) ds_full[((size_t(b) * N + n) * T + t) * S + s] = dp[s];
+        if (!r.dslopes.empty()) r.dslopes[bn] -= dp[s] * std::fabs(double(t + sb.offset - s));
         dp[s] *= sg[s];  // through soft-capping
       }
       for (int s = 0; s < smax; ++s)
@@ -388,6 +390,16 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: run_bwd must zero it
     p.mask.dbias = d_dbias;
   }
+  // d(ALiBi slopes): partial sums per 64 keys, poisoned with NaN (run_bwd must zero them).
+  float* d_dslopes = nullptr;
+  const int dslope_slots = (c.S + jfa::kDslopeKeys - 1) / jfa::kDslopeKeys;
+  if (!fd.slopes.empty()) {
+    const size_t count = size_t(c.B) * c.N * dslope_slots;
+    CK(cudaMalloc(&d_dslopes, count * 4));
+    CK(cudaMemset(d_dslopes, 0xFF, count * 4));
+    p.mask.dslopes = d_dslopes;
+    p.mask.dslope_slots = dslope_slots;
+  }
   p.q = upload(q.data); p.k = upload(k.data); p.v = upload(v.data);
   p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
   Tensor4 o_layout{c.B, c.T, c.N, c.H, c.pad};
@@ -473,6 +485,13 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemcpy(h.data(), d_dbias, h.size() * 4, cudaMemcpyDeviceToHost));
     dbias.assign(h.begin(), h.end());
   }
+  std::vector<double> dslopes;
+  if (d_dslopes != nullptr) {
+    std::vector<float> h(size_t(c.B) * c.N * dslope_slots);
+    CK(cudaMemcpy(h.data(), d_dslopes, h.size() * 4, cudaMemcpyDeviceToHost));
+    dslopes.assign(size_t(c.B) * c.N, 0.0);
+    for (size_t i = 0; i < h.size(); ++i) dslopes[i / dslope_slots] += h[i];
+  }
   const double tol = c.dt == DType::kBFloat16 ? 2e-2 : 3e-3;
   double ma[5];
   bool fin[5];
@@ -491,11 +510,18 @@ static void run_case(const Config& c, std::mt19937& rng) {
     e_db = rel_err(dbias, ref.dbias, &ma_db, &fin_db);
     ok = ok && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
   }
+  double e_ds = 0, ma_ds = 0;
+  bool fin_ds = true;
+  if (!dslopes.empty()) {
+    e_ds = rel_err(dslopes, ref.dslopes, &ma_ds, &fin_ds);
+    ok = ok && fin_ds && (e_ds <= 4 * tol || ma_ds <= abs_tol);
+  }
   ok = ok && range_misses == 0 && reproducible;
   if (!ok) ++g_failures;
   if (!reproducible) printf("[deterministic: dq differs between two runs] ");
   if (c.f.name != nullptr)
-    printf("[%s%s dbias %.2e, range misses %d] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "", e_db, range_misses);
+    printf("[%s%s dbias %.2e dslopes %.2e, range misses %d] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "", e_db,
+           e_ds, range_misses);
   printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel o %.2e lse %.2e dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
          ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e[0], e[1], e[2], e[3], e[4], ma[2], ma[3],
          (fin[0] && fin[1] && fin[2] && fin[3] && fin[4]) ? "" : " NONFINITE");
@@ -506,6 +532,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaFree(ptr));
   for (void* ptr : feature_bufs) CK(cudaFree(ptr));
   if (d_dbias != nullptr) CK(cudaFree(d_dbias));
+  if (d_dslopes != nullptr) CK(cudaFree(d_dslopes));
   if (d_sem != nullptr) CK(cudaFree(d_sem));
 }
 

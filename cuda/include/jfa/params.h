@@ -64,6 +64,10 @@ struct Strides4 {
 // offset is 0 (top-left alignment) or kv_len(b) - q_len(b) (bottom-right). Causal keeps keys
 // j <= i + offset; a window keeps i + offset - window_left <= j <= i + offset + window_right;
 // ALiBi adds -slope * |i + offset - j|.
+// Keys per d(ALiBi slope) partial-sum slot of the CUDA backward (MaskParams::dslopes): every
+// backward key tile is a multiple of it, so each slot has one writer.
+inline constexpr int kDslopeKeys = 64;
+
 struct MaskParams {
   bool bottom_right = false;
   int64_t window_left = -1;   // -1: unbounded on that side
@@ -104,6 +108,12 @@ struct MaskParams {
   // the gradient of every broadcast axis summed.
   float* dbias = nullptr;
   int64_t bias_dims[4] = {0, 0, 0, 0};
+
+  // Backward output, with ALiBi: d(loss)/d(slope of batch b, head n) = -sum_ij dS_bnij |pos_i - j|
+  // as partial sums [B, N, dslope_slots], float32, each slot written by one thread in a fixed
+  // order; the caller adds the slots up (so the result is deterministic without atomics).
+  float* dslopes = nullptr;
+  int64_t dslope_slots = 0;
 
   // Dropout on the probabilities: element (b, n, i, j) is dropped when
   // dropout_word(seed[b].k0, seed[b].k1, seed[b].batch, n, i, j) < dropout_threshold(rate);
