@@ -5,7 +5,8 @@
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only
-// ./harness --masks   timing of the masked forward against plain causal (issue 5's speed table)
+// ./harness --masks   timing of the masked forward against plain causal (issue 5's speed table),
+//                      interleaved rounds, medians
 // ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal   one 16k timing (for ncu: its 4th launch is the first timed one)
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -319,103 +321,125 @@ static const char* bench_mask_name(BenchMask m) {
   return "?";
 }
 
+// One timed problem: causal or plain attention on T = S plus one BenchMask, with its buffers.
 // A masked run compares with plain causal at the same useful FLOPs (issue 5): masks that hide
 // most of the causal triangle (window, segments) get a larger batch B, so that both runs do about
 // as much useful work and fill the GPU alike.
+struct BenchProblem {
+  AttentionParams p;
+  MaskOperands masks;
+  void* bufs[4] = {nullptr, nullptr, nullptr, nullptr};
+  float* lse = nullptr;
+  double flops = 0;  // useful FLOPs of one call
+  BenchMask mask = BenchMask::kNone;
+
+  BenchProblem(DType dt, int H, int B, int T, int N, bool causal, BenchMask bm) : mask(bm) {
+    p.B = 1; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
+    p.scale = 1.f / std::sqrt(float(H));
+    p.scale_log2 = p.scale * 1.4426950408889634f;
+    p.is_causal = causal;
+    p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
+    if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
+    if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
+    if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
+    if (bm == BenchMask::kAlibi)
+      for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
+    // Useful FLOPs: 4·H per visible (query, key) pair, pairs counted with the shared policies (the
+    // batches are alike: count one).
+    AttentionParams ph = p;
+    ph.mask = masks.host;
+    double pairs = 0;
+    {
+      const jfa::SequenceBounds sb = jfa::sequence_bounds(ph, 0);
+      for (int i = 0; i < T; ++i) {
+        int64_t lo = jfa::key_lo(ph, sb, i), hi = jfa::key_hi(ph, sb, i);
+        if (bm == BenchMask::kSegments) {
+          const int64_t len = T / 4, seg0 = i / len * len;
+          lo = std::max(lo, seg0);
+          hi = std::min(hi, seg0 + len);
+        }
+        pairs += double(std::max<int64_t>(hi - lo, 0));
+      }
+    }
+    if (bm != BenchMask::kNone) {
+      const double plain_pairs = causal ? 0.5 * double(T) * (T + 1) : double(T) * T;
+      B = std::max(1, int(std::lround(B * plain_pairs / pairs)));
+    }
+    pairs *= B;
+    p.B = B;
+    flops = bm == BenchMask::kNone ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0) : 4.0 * pairs * N * H;
+    if (bm == BenchMask::kSegments)
+      for (int b = 0; b < B; ++b)
+        for (int i = 0; i < T; ++i) masks.q_seg.push_back(i / (T / 4));
+    masks.kv_seg = masks.q_seg;
+    p.mask = masks.host;
+    p.mask.alibi_slopes = masks.upload(masks.slopes);
+    p.mask.q_segment_ids = masks.upload(masks.q_seg);
+    p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
+    if (!masks.q_seg.empty()) {
+      masks.q_chunks = segment_chunks(masks.q_seg, T, masks.kv_seg, T, B);
+      p.mask.q_segment_chunks = p.mask.kv_segment_chunks = masks.upload(masks.q_chunks);  // same ids both sides
+    }
+    const size_t n = size_t(B) * T * N * H, rows = size_t(B) * T * N;
+    std::vector<uint16_t> h(n);
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& x : h) x = from_float(nd(rng), dt);
+    for (auto& b : bufs) {
+      CK(cudaMalloc(&b, n * 2));
+      CK(cudaMemcpy(b, h.data(), n * 2, cudaMemcpyHostToDevice));
+    }
+    CK(cudaMalloc(&lse, rows * 4));
+    auto st = jfa::packed_strides(T, N, H);
+    p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3];
+    p.q_strides = p.k_strides = p.v_strides = p.o_strides = st;
+    p.lse = lse; p.lse_strides = jfa::Strides{int64_t(T) * N, N, 1};
+  }
+  BenchProblem(const BenchProblem&) = delete;
+  BenchProblem& operator=(const BenchProblem&) = delete;
+  ~BenchProblem() {
+    for (auto& b : bufs) cudaFree(b);
+    cudaFree(lse);
+  }
+
+  cudaError_t forward(cudaStream_t s, bool sm90) const {
+#ifdef JFA_CHECK_NO_SM80
+    (void)sm90;
+    return jfa::sm90::forward(p, s);
+#else
+    return sm90 ? jfa::sm90::forward(p, s) : jfa::sm80::forward(p, s);
+#endif
+  }
+  // Milliseconds per call of `calls` back-to-back calls.
+  float time_ms(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, bool sm90, int calls = 5) const {
+    CK(cudaEventRecord(e0, s));
+    for (int i = 0; i < calls; ++i) CK(forward(s, sm90));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    return t / calls;
+  }
+};
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask bm = BenchMask::kNone) {
   if (!jfa::sm90::is_built(dt, H)) return;
-  AttentionParams p;
-  p.B = 1; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
-  p.scale = 1.f / std::sqrt(float(H));
-  p.scale_log2 = p.scale * 1.4426950408889634f;
-  p.is_causal = causal;
-  p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
-  MaskOperands masks;
-  if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
-  if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
-  if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
-  if (bm == BenchMask::kAlibi)
-    for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
-  // Useful FLOPs: 4·H per visible (query, key) pair, pairs counted with the shared policies (the
-  // batches are alike: count one).
-  AttentionParams ph = p;
-  ph.mask = masks.host;
-  double pairs = 0;
-  {
-    const jfa::SequenceBounds sb = jfa::sequence_bounds(ph, 0);
-    for (int i = 0; i < T; ++i) {
-      int64_t lo = jfa::key_lo(ph, sb, i), hi = jfa::key_hi(ph, sb, i);
-      if (bm == BenchMask::kSegments) {
-        const int64_t len = T / 4, seg0 = i / len * len;
-        lo = std::max(lo, seg0);
-        hi = std::min(hi, seg0 + len);
-      }
-      pairs += double(std::max<int64_t>(hi - lo, 0));
-    }
-  }
-  if (bm != BenchMask::kNone) {
-    const double plain_pairs = causal ? 0.5 * double(T) * (T + 1) : double(T) * T;
-    B = std::max(1, int(std::lround(B * plain_pairs / pairs)));
-  }
-  pairs *= B;
-  p.B = B;
-  if (bm == BenchMask::kSegments)
-    for (int b = 0; b < B; ++b)
-      for (int i = 0; i < T; ++i) masks.q_seg.push_back(i / (T / 4));
-  masks.kv_seg = masks.q_seg;
-  masks.host.alibi_slopes = masks.slopes.empty() ? nullptr : masks.slopes.data();
-  masks.host.q_segment_ids = masks.q_seg.empty() ? nullptr : masks.q_seg.data();
-  masks.host.kv_segment_ids = masks.kv_seg.empty() ? nullptr : masks.kv_seg.data();
-  p.mask = masks.host;
-  p.mask.alibi_slopes = masks.upload(masks.slopes);
-  p.mask.q_segment_ids = masks.upload(masks.q_seg);
-  p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
-  if (!masks.q_seg.empty()) {
-    masks.q_chunks = segment_chunks(masks.q_seg, T, masks.kv_seg, T, B);
-    p.mask.q_segment_chunks = p.mask.kv_segment_chunks = masks.upload(masks.q_chunks);  // same ids both sides
-  }
-  const size_t n = size_t(B) * T * N * H, rows = size_t(B) * T * N;
-  std::vector<uint16_t> h(n);
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (auto& x : h) x = from_float(nd(rng), dt);
-  void* bufs[4];
-  for (auto& b : bufs) {
-    CK(cudaMalloc(&b, n * 2));
-    CK(cudaMemcpy(b, h.data(), n * 2, cudaMemcpyHostToDevice));
-  }
-  float* lse;
-  CK(cudaMalloc(&lse, rows * 4));
-  auto st = jfa::packed_strides(T, N, H);
-  p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3];
-  p.q_strides = p.k_strides = p.v_strides = p.o_strides = st;
-  p.lse = lse; p.lse_strides = jfa::Strides{int64_t(T) * N, N, 1};
+  const BenchProblem prob(dt, H, B, T, N, causal, bm);
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   auto time = [&](bool sm90) {
-#ifdef JFA_CHECK_NO_SM80
-    auto fwd = [&] { return jfa::sm90::forward(p, s); };
-#else
-    auto fwd = [&] { return sm90 ? jfa::sm90::forward(p, s) : jfa::sm80::forward(p, s); };
-#endif
-    for (int i = 0; i < 3; ++i) CK(fwd());
+    for (int i = 0; i < 3; ++i) CK(prob.forward(s, sm90));
     std::vector<float> ms;
-    for (int r = 0; r < 10; ++r) {
-      CK(cudaEventRecord(e0, s));
-      for (int i = 0; i < 5; ++i) CK(fwd());
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t / 5);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    for (int r = 0; r < 10; ++r) ms.push_back(prob.time_ms(s, e0, e1, sm90));
+    return median(ms);
   };
-  const double flops = bm == BenchMask::kNone ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0)
-                                              : 4.0 * pairs * N * H;
   const float t90 = time(true);
 #ifdef JFA_CHECK_NO_SM80
   const float t80 = 0.f;
@@ -424,11 +448,42 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
 #endif
   printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d mask=%s | sm90 fwd %.3f ms %.1f TFLOP/s | sm80 fwd %.3f ms %.1f "
          "TFLOP/s (useful FLOPs)\n",
-         dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, bench_mask_name(bm), t90, flops / t90 * 1e-9,
-         t80, t80 > 0 ? flops / t80 * 1e-9 : 0.0);
+         dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(prob.p.B), T, N, causal, bench_mask_name(bm), t90,
+         prob.flops / t90 * 1e-9, t80, t80 > 0 ? prob.flops / t80 * 1e-9 : 0.0);
   fflush(stdout);
-  for (auto& b : bufs) CK(cudaFree(b));
-  CK(cudaFree(lse));
+  CK(cudaStreamDestroy(s));
+}
+
+// Issue 5's speed table (--masks): per head dim, plain causal and each mask on the sm90 forward,
+// their timing rounds interleaved (round r times every problem once), so that clock and
+// temperature drift reach all of them alike; medians of the rounds, and each mask's median as
+// a percentage of plain causal at the same useful FLOPs.
+static void bench_masks(DType dt, int H, int T, int N, int rounds) {
+  if (!jfa::sm90::is_built(dt, H)) return;
+  std::vector<std::unique_ptr<BenchProblem>> probs;
+  for (BenchMask m : {BenchMask::kNone, BenchMask::kWideWindow, BenchMask::kWindow, BenchMask::kAlibi,
+                      BenchMask::kSegments, BenchMask::kSoftcap})
+    probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  for (auto& pr : probs)
+    for (int i = 0; i < 3; ++i) CK(pr->forward(s, true));
+  std::vector<std::vector<float>> ms(probs.size());
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < probs.size(); ++i) ms[i].push_back(probs[i]->time_ms(s, e0, e1, true));
+  const double plain = probs[0]->flops / median(ms[0]) * 1e-9;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    const float med = median(ms[i]);
+    const auto [lo, hi] = std::minmax_element(ms[i].begin(), ms[i].end());
+    const double tflops = probs[i]->flops / med * 1e-9;
+    printf("MASKS %s H=%d B=%d T=S=%d N=%d causal=1 mask=%s | sm90 fwd median %.3f ms (%d rounds, %.3f-%.3f) "
+           "%.1f TFLOP/s (useful FLOPs) | %.1f %% of plain causal\n",
+           dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), T, N, bench_mask_name(probs[i]->mask), med,
+           rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
+  }
+  fflush(stdout);
   CK(cudaStreamDestroy(s));
 }
 
@@ -542,10 +597,7 @@ int main(int argc, char** argv) {
       for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
   }
   if (masks_only)
-    for (int H : {64, 128, 256})
-      for (BenchMask m : {BenchMask::kNone, BenchMask::kWideWindow, BenchMask::kWindow, BenchMask::kAlibi,
-                          BenchMask::kSegments, BenchMask::kSoftcap})
-        bench(BF, H, 1, 16384, 2048 / H, true, m);
+    for (int H : {64, 128, 256}) bench_masks(BF, H, 16384, 2048 / H, 15);
   printf("%d failures\n", g_failures);
   return g_failures ? 1 : 0;
 }
