@@ -288,8 +288,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto tests_of = [&](int n_block) {
       return kGeneral ? block_needs(p.attn, rows, n_block * kBlockN, kBlockN) : 0;
     };
+    // Score modifiers touch every block (the full policy code). Without them a block whose
+    // elements need no test (most blocks of a window or of packed segments) skips the policy code
+    // altogether, and the others run a copy without the modifiers. Before, the per-feature checks
+    // ran on every block: ncu, H200, H 128 causal 16k with a no-op window, 619M instructions
+    // against plain causal's 540M, 565M with the skip.
+    const bool score_mods = kGeneral && p.attn.mask.has_score_mod();
     auto general_scores = [&](auto& scores_rc, int n_block, int needs) {
-      apply_policy(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
+      if (score_mods)
+        apply_policy<true>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
+      else if (needs != 0)
+        apply_policy<false>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
     };
     const float logit_scale = kGeneral ? policy_logit_scale(p.attn) : p.scale_log2;
 

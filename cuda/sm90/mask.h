@@ -115,13 +115,14 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
 // compile-time constant: ALiBi's distances and the position tests then cost one add or compare
 // per element, with no int-to-float conversion (which would share the MUFU pipe with exp2). Loads
 // use indices clamped into [0, S): elements outside are hidden anyway, and the clamp keeps them in
-// bounds without a branch.
-template <int kRows, typename Scores, typename Coords, typename Coords0>
+// bounds without a branch. kScoreMods = false compiles the tests only (no softcap, bias or ALiBi):
+// the kernel calls that copy for blocks that need tests when the call has no score modifier.
+template <bool kScoreMods, int kRows, typename Scores, typename Coords, typename Coords0>
 __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coords, Coords0 const& coords0,
                                              const AttentionParams& p, const TileRows<kRows>& rows, int batch,
                                              int head, int m0, int n0, int needs) {
   const MaskParams& m = p.mask;
-  const bool has_softcap = m.softcap > 0.f;
+  const bool has_softcap = kScoreMods && m.softcap > 0.f;
   // Additive terms (natural units) to the logits' units: log2 e, over the scale when raw.
   const float add_scale = kLog2eF / (has_softcap ? 1.f : p.scale_log2);
   const float softcap2 = m.softcap * kLog2eF;  // the cap in log2 units (see jfa/score_mod.h)
@@ -135,7 +136,7 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) scores(r, c) = softcap2 * fast_tanh(scores(r, c) * softcap_in);
     }
-    if (m.bias != nullptr) {
+    if (kScoreMods && m.bias != nullptr) {
       const Strides4& st = m.bias_strides;
       const float* bias = m.bias + batch * st.batch + head * st.head + i * st.row;
       const int col = int(st.col);
@@ -145,7 +146,7 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         scores(r, c) = fmaf(bias[j * col], add_scale, scores(r, c));
       }
     }
-    if (m.alibi_slopes != nullptr) {
+    if (kScoreMods && m.alibi_slopes != nullptr) {
       // -slope * |pos - j| with pos - j = (pos - col_shift) - c0.
       const float slope = -rows.slope * add_scale, d0 = float(rows.pos[r] - col_shift);
       CUTE_UNROLL

@@ -9,7 +9,8 @@
 //                      interleaved rounds, medians
 // ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
-// ./harness --profile H causal   one 16k timing (for ncu: its 4th launch is the first timed one)
+// ./harness --profile H causal [mask [T]]   one timing (for ncu: its 4th launch is the first timed
+//                      one); mask: a BenchMask number (0 plain, 5 no-op window), T: B = 16k / T
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -531,8 +532,11 @@ static void host_cost() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "--profile" && argc == 4) {
-    bench(DType::kBFloat16, std::atoi(argv[2]), 1, 16384, 2048 / std::atoi(argv[2]), std::atoi(argv[3]) != 0);
+  if (mode == "--profile" && argc >= 4) {
+    // Optional: a BenchMask by its number (BenchMask order) and T (B = 16k / T).
+    const int H = std::atoi(argv[2]), T = argc >= 6 ? std::atoi(argv[5]) : 16384;
+    const BenchMask m = argc >= 5 ? BenchMask(std::atoi(argv[4])) : BenchMask::kNone;
+    bench(DType::kBFloat16, H, 16384 / T, T, 2048 / H, std::atoi(argv[3]) != 0, m);
     return 0;
   }
   if (mode == "--hostcost") {
