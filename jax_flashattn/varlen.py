@@ -5,10 +5,17 @@ and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of the key/value. Positions 
 ALiBi, dropout coordinates) count from each sequence's start, and causal_alignment applies per
 sequence (bottom-right: the last query of a sequence sits at its last key).
 
-How: the packed rows are gathered into a [num_seqs, max_seqlen, ...] batch, flash_attention runs
-with the sequence lengths as query_seq_lengths / key_value_seq_lengths (tiles past a sequence's
-end are skipped), and the rows are gathered back. The padded copies cost
-O(num_seqs · max_seqlen · N · H) memory — never a T×S buffer; gradients flow through both gathers.
+Two ways, chosen at trace time:
+  * packed self-attention (cu_seqlens_k is cu_seqlens_q, or None; as many query as key rows; no
+    dropout, bias, mask or per-sequence slopes): the packed rows are one batch row and the
+    sequences its segment ids, so nothing is copied or padded and the kernels skip the tiles of
+    different sequences. Within a sequence the global position differences are the local ones,
+    so causal, window and ALiBi mean the same; bottom-right equals top-left for equal lengths.
+  * otherwise: the packed rows are gathered into a [num_seqs, max_seqlen, ...] batch,
+    flash_attention runs with the sequence lengths as query_seq_lengths /
+    key_value_seq_lengths (tiles past a sequence's end are skipped), and the rows are gathered
+    back. The padded copies cost O(num_seqs · max_seqlen · N · H) memory — never a T×S buffer.
+Gradients flow through both.
 """
 from __future__ import annotations
 
@@ -56,13 +63,36 @@ def _unpad(y, cu, total, fill):
     return jnp.where(valid.reshape(valid.shape + (1,) * (y.ndim - 2)), picked, fill)
 
 
-def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+def _sequence_ids(cu, total, max_len, before, past):
+    """int32 [total]: each packed row's sequence index; rows before the first sequence get
+    `before`, rows after the last `past`, and rows past max_len within a sequence `before` (ids
+    that match nothing on the other side)."""
+    r = jnp.arange(total)
+    b = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, cu.shape[0] - 2)
+    ids = jnp.where(r < cu[0], before, jnp.where(r >= cu[-1], past, b))
+    return jnp.where((r >= cu[0]) & (r < cu[-1]) & (r - cu[b] >= max_len), before, ids).astype(jnp.int32)
+
+
+def _packs_as_segments(query, key, same_offsets, max_seqlen_q, max_seqlen_k, keywords):
+    """Whether the call runs as one batch row with segment ids (module docstring). Bottom-right
+    alignment also needs max_seqlen_q == max_seqlen_k: a sequence cut to different lengths on the
+    two sides would shift its queries by the difference."""
+    slopes = keywords.get("alibi_slopes")
+    aligned = keywords.get("causal_alignment", "top_left") != "bottom_right" or max_seqlen_q == max_seqlen_k
+    return (same_offsets and aligned and query.shape[0] == key.shape[0]
+            and not keywords.get("dropout_rate") and keywords.get("bias") is None
+            and keywords.get("mask") is None and (slopes is None or jnp.ndim(slopes) == 1))
+
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q, max_seqlen_k,
                      return_lse=False, **keywords):
     """Attention over packed variable-length sequences.
 
     Args:
       query: [total_T, N, H]; key [total_S, K, H]; value [total_S, K, Hv].
       cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1], cumulative sequence offsets (0 first).
+        cu_seqlens_k None, or the very same array as cu_seqlens_q: self-attention over the
+        same packing, which runs without padding (module docstring).
       max_seqlen_q, max_seqlen_k: static ints, at least the longest query / key sequence
         (longer sequences are cut there).
       return_lse: also return the LSE, float32 [total_T, N].
@@ -76,11 +106,22 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, *, max_seqle
       out [total_T, N, Hv] (0 for rows in no sequence), or (out, lse).
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    cu_q, cu_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    same_offsets = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    cu_q = jnp.asarray(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else jnp.asarray(cu_seqlens_k)
     _check(query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     for name in ("query_seq_lengths", "key_value_seq_lengths", "q_segment_ids", "kv_segment_ids"):
         if keywords.get(name) is not None:
             raise TypeError(f"varlen_attention: {name} is implied by cu_seqlens and not taken")
+    if _packs_as_segments(query, key, same_offsets, max_seqlen_q, max_seqlen_k, keywords):
+        # Query and key rows outside every sequence get different ids (-1 / -2 before, num_seqs /
+        # num_seqs + 1 after): they match nothing, so their rows give 0 and -inf.
+        n = cu_q.shape[0] - 1
+        q_ids = _sequence_ids(cu_q, query.shape[0], max_seqlen_q, -1, n)
+        kv_ids = _sequence_ids(cu_q, key.shape[0], max_seqlen_k, -2, n + 1)
+        out, lse = flash_attention(query[None], key[None], value[None], q_segment_ids=q_ids[None],
+                                   kv_segment_ids=kv_ids[None], return_lse=True, **keywords)
+        return (out[0], lse[0]) if return_lse else out[0]
     q_len, k_len = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     q = _pad(query, cu_q, q_len, max_seqlen_q)
     k = _pad(key, cu_k, k_len, max_seqlen_k)

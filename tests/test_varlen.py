@@ -87,3 +87,71 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="query_seq_lengths"):
         jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=3, max_seqlen_k=3,
                              query_seq_lengths=jnp.array([1, 2], jnp.int32))
+
+
+SELF_KW = [dict(), dict(is_causal=True), dict(is_causal=True, causal_alignment="bottom_right"),
+           dict(local_window_size=(4, 2), softcap=3.0, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4])),
+           dict(is_causal=True, deterministic=True)]
+
+
+@pytest.mark.parametrize("kw", SELF_KW, ids=["full", "causal", "bottom_right", "window+softcap+alibi",
+                                             "deterministic"])
+def test_packed_self_attention_runs_unpadded_and_matches(kw):
+    """Self-attention over one packing (the same cu_seqlens object, or None): one batch row with
+    segment ids, no padded copy; the same results as the padded path and the reference."""
+    seed = fresh_seed()
+    lens = [5, 17, 1, 70, 0, 9]
+    q, _, _, cu, _ = _packed(seed, lens, lens, extra_rows=3)
+    k = jax.random.normal(jax.random.key(seed + 2), (q.shape[0], 2, 16))
+    v = jax.random.normal(jax.random.key(seed + 3), (q.shape[0], 2, 16))
+    w = jax.random.normal(jax.random.key(seed + 1), q.shape)
+
+    def run(cu_k):
+        def loss(q, k, v):
+            out, lse = jfa.varlen_attention(q, k, v, cu, cu_k, max_seqlen_q=70, max_seqlen_k=70,
+                                            return_lse=True, **kw)
+            return jnp.sum(out * w), (out, lse)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    # A copy of cu (another array) takes the padded path: both must agree.
+    (_, (out, lse)), grads = run(cu)(q, k, v)
+    (_, (out_none, _)), _ = run(None)(q, k, v)
+    (_, (p_out, p_lse)), p_grads = run(jnp.array(cu))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_none))
+    ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
+    for b in range(len(lens)):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        if lens[b] == 0:
+            continue
+        r_out, r_lse = attention_reference(q[None, s], k[None, s], v[None, s], **ref_kw)
+        assert rel_err(out[s], r_out[0]) <= 1e-5, f"seed {seed}, sequence {b}"
+        assert rel_err(lse[s], r_lse[0]) <= 1e-5, f"seed {seed}, sequence {b}"
+    assert np.all(np.isneginf(np.asarray(lse[-3:]))) and not np.any(np.asarray(out[-3:]))
+    assert rel_err(out, p_out) <= 1e-5 and rel_err(jnp.where(jnp.isinf(lse), 0, lse),
+                                                   jnp.where(jnp.isinf(p_lse), 0, p_lse)) <= 1e-5
+    for g, r in zip(grads, p_grads):
+        assert rel_err(g, r) <= 4e-5, f"seed {seed}"
+
+
+def test_packed_self_attention_has_no_padded_copy():
+    q, k, v, cu, _ = _packed(0, [5, 17, 1], [5, 17, 1], extra_rows=0)
+    k, v = q[:, :2], q[:, :2]
+
+    def fwd_operand_shapes(cu_k):
+        jaxpr = jax.make_jaxpr(lambda q, k, v: jfa.varlen_attention(
+            q, k, v, cu, cu_k, max_seqlen_q=17, max_seqlen_k=17, is_causal=True))(q, k, v)
+        return [e.invars[0].aval.shape for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "jfa_attention_fwd"]
+
+    assert fwd_operand_shapes(cu) == [(1, 23, 4, 16)]
+    assert fwd_operand_shapes(jnp.array(cu)) == [(3, 17, 4, 16)]  # another array: padded
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested ones (pjit, custom_vjp) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    yield from _eqns(getattr(inner, "jaxpr", inner))
