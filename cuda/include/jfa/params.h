@@ -27,6 +27,10 @@ inline constexpr int64_t kDqSemaphoreRows = 64;
 // every GPU tile size. jax_flashattn/_segment_chunks.py uses the same constant.
 inline constexpr int kSegmentChunk = 16;
 
+// Keys per d(ALiBi slope) partial-sum slot of the CUDA backward (MaskParams::dslopes): every
+// backward key tile is a multiple of it, so each slot has one writer.
+inline constexpr int kDslopeKeys = 64;
+
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline const char* dtype_name(DType t) {
@@ -64,10 +68,6 @@ struct Strides4 {
 // offset is 0 (top-left alignment) or kv_len(b) - q_len(b) (bottom-right). Causal keeps keys
 // j <= i + offset; a window keeps i + offset - window_left <= j <= i + offset + window_right;
 // ALiBi adds -slope * |i + offset - j|.
-// Keys per d(ALiBi slope) partial-sum slot of the CUDA backward (MaskParams::dslopes): every
-// backward key tile is a multiple of it, so each slot has one writer.
-inline constexpr int kDslopeKeys = 64;
-
 struct MaskParams {
   bool bottom_right = false;
   int64_t window_left = -1;   // -1: unbounded on that side
