@@ -153,13 +153,12 @@ def _cuda_forward(q, k, v, *extras, scale, config):
 
 
 def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
-    _check_deterministic_bias(config, q, k, extras[0])
     Hp = _cuda_head_dim(q.aval, v.aval)
     B, T, N, _ = q.shape
     padded = [_pad_last(x, Hp) for x in (q, k, v, o)]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
     # d(bias): float32 in the bias's shape (a rank-0 placeholder without a bias), as on the CPU.
-    shapes.append(jax.ShapeDtypeStruct(extras[0].shape, jnp.float32))
+    shapes.append(jax.ShapeDtypeStruct(_dbias_shape(config, q, k, extras[0]), jnp.float32))
     # d(ALiBi slopes): partial sums per 64 keys (jfa::kDslopeKeys), added up below in a fixed order.
     slopes = extras[_SLOPES].ndim != 0
     shapes.append(jax.ShapeDtypeStruct((B, N, -(-k.shape[1] // 64)) if slopes else (), jnp.float32))
@@ -172,22 +171,23 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
         **_mask_ffi_attrs(scale, config), deterministic=np.int32(config.deterministic))
+    if dbias.shape != extras[0].shape:  # full-shape d(bias): sum the bias's broadcast axes here
+        broadcast = tuple(a for a in range(4) if extras[0].shape[a] == 1 and dbias.shape[a] != 1)
+        dbias = jnp.sum(dbias, axis=broadcast, keepdims=True)
     if slopes:
         dslopes = jnp.sum(dslopes, axis=-1)
     return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]], dbias, dslopes
 
 
-def _check_deterministic_bias(config, q, k, bias):
-    """deterministic=True orders the GPU backward's dQ adds; d(bias) is summed over a bias's
-    broadcast axes with atomics, so a broadcast bias is refused there (give its full shape)."""
+def _dbias_shape(config, q, k, bias):
+    """The kernel's d(bias) result: the bias's own shape, its broadcast axes summed with float
+    atomics; with deterministic=True, the full [B, N, T, S] instead, where every element is added
+    once onto zero (exact), and XLA then sums the broadcast axes (a reduction with a fixed order).
+    That costs a float32 [B, N, T, S] buffer in the backward, as a full-shape bias would."""
     if config.deterministic and bias.ndim == 4:
         B, T, N = q.shape[:3]
-        full = (B, N, T, k.shape[1])
-        if tuple(bias.shape) != full:
-            raise NotImplementedError(
-                f"jax_flashattn: deterministic=True on the GPU needs a bias of the full [B, N, T, S] "
-                f"shape {full} (its gradient over broadcast axes is summed with float atomics), got "
-                f"bias {tuple(bias.shape)}; pass jnp.broadcast_to(bias, {full}) or run on the CPU")
+        return (B, N, T, k.shape[1])
+    return bias.shape
 
 
 def _cuda_lowering(fn):

@@ -286,6 +286,9 @@ DETERMINISTIC_CASES = {
     "causal_gqa": (dict(is_causal=True), None),
     "window_segments_lengths": (dict(local_window_size=(70, 20), key_value_seq_lengths=[400, 333]), "segments"),
     "bias_dropout": (dict(dropout_rate=0.2), "bias"),
+    # Broadcast biases: d(bias) comes back full-shape and XLA sums the broadcast axes.
+    "bias_shared_by_batch": (dict(is_causal=True), "bias_1NTS"),
+    "bias_per_key": (dict(), "bias_B11S"),
     "alibi_window": (dict(is_causal=True, local_window_size=(300, 0)), "alibi"),  # d(slopes) too
 }
 
@@ -305,8 +308,9 @@ def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
         kw.update(q_segment_ids=ids_q, kv_segment_ids=ids_k)
     if "dropout_rate" in kw:
         kw["dropout_rng"] = jax.random.key(seed + 7)
-    bias = (jax.random.normal(jax.random.key(seed + 3), (B, N, T, S), jnp.float32)
-            if extra == "bias" else None)
+    bias_shapes = {"bias": (B, N, T, S), "bias_1NTS": (1, N, T, S), "bias_B11S": (B, 1, 1, S)}
+    bias = (jax.random.normal(jax.random.key(seed + 3), bias_shapes[extra], jnp.float32)
+            if extra in bias_shapes else None)
     slopes = jnp.linspace(0.02, 0.3, N, dtype=jnp.float32) if extra == "alibi" else None
     q, k, v = random_qkv(seed, B, T, S, N, K, H, dtype=BF16)
     do = jax.random.normal(jax.random.key(seed + 1), (B, T, N, H)).astype(BF16)
@@ -324,14 +328,6 @@ def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
             kw = dict(kw, alibi_slopes=slopes)
         ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
         compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias, ref_kw=ref_kw)
-
-
-def test_deterministic_refuses_a_broadcast_bias_on_gpu():
-    q, k, v = random_qkv(fresh_seed(), 1, 16, 16, 2, 2, 64, dtype=BF16)
-    bias = jnp.zeros((1, 2, 1, 16), jnp.float32)
-    with pytest.raises(NotImplementedError, match="full .B, N, T, S. shape"):
-        jax.jit(jax.grad(lambda q: jfa.flash_attention(q, k, v, bias=bias, deterministic=True)
-                         .astype(jnp.float32).sum()))(q)
 
 
 # ---- varlen_attention: both ways (packed self-attention as segment ids, else padded) ----------

@@ -173,15 +173,15 @@ def test_cuda_lowering_takes_mask_keywords(kw):
         assert "without its CUDA kernels" in str(e)
 
 
-def test_deterministic_gpu_backward_refuses_a_broadcast_bias():
-    """On the GPU, d(bias) over broadcast axes is summed with float atomics: the backward's
-    lowering refuses deterministic=True with such a bias, naming both shapes (a full-shape bias
-    and deterministic=False pass)."""
+def test_deterministic_gpu_backward_takes_a_full_shape_dbias():
+    """On the GPU, d(bias) over a bias's broadcast axes is summed with float atomics; with
+    deterministic=True the kernel instead returns d(bias) in the full [B, N, T, S] shape (no
+    element has two contributions) and XLA sums the broadcast axes."""
     from jax_flashattn._options import MaskConfig
-    from jax_flashattn.primitives import _check_deterministic_bias
+    from jax_flashattn.primitives import _dbias_shape
     q, k = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 12, 2, 16))
-    with pytest.raises(NotImplementedError, match=r"full \[B, N, T, S\] shape \(2, 4, 8, 12\).*\(1, 4, 1, 12\)"):
-        _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros((1, 4, 1, 12)))
-    _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros((2, 4, 8, 12)))
-    _check_deterministic_bias(MaskConfig(deterministic=True), q, k, jnp.zeros(()))  # no bias
-    _check_deterministic_bias(MaskConfig(), q, k, jnp.zeros((1, 4, 1, 12)))
+    det = MaskConfig(deterministic=True)
+    assert _dbias_shape(det, q, k, jnp.zeros((1, 4, 1, 12))) == (2, 4, 8, 12)
+    assert _dbias_shape(det, q, k, jnp.zeros((2, 4, 8, 12))) == (2, 4, 8, 12)
+    assert _dbias_shape(det, q, k, jnp.zeros(())) == ()  # no bias
+    assert _dbias_shape(MaskConfig(), q, k, jnp.zeros((1, 4, 1, 12))) == (1, 4, 1, 12)

@@ -52,7 +52,7 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                            alibi_slopes, dropout_seeds};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/false, &p); e.failure()) return e;
   // The CPU backward adds its partial sums up itself.
   if (auto e = ffi_decode::decode_dslopes(*dslopes, ffi_decode::kDslopesComplete, &p); e.failure()) return e;
   cpu::backward(p);

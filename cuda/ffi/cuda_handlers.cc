@@ -136,7 +136,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_dbias(*dbias, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/true, &p); e.failure()) return e;
   // One slot per 64 keys: a backward CTA owns a key tile of 64 or 128 keys (sm80/kernel_traits.h).
   if (auto e = ffi_decode::decode_dslopes(*dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
     return e;
@@ -154,12 +154,13 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                   ffi::DataType::S32);
       e.failure())
     return e;
-  if (deterministic != 0 && p.mask.bias != nullptr) {
+  if (deterministic != 0 && p.mask.dbias != nullptr) {
     const int64_t full[4] = {p.B, p.N, p.T, p.S};
     for (int a = 0; a < 4; ++a)
-      if (p.mask.bias_dims[a] != full[a])
-        return invalid("deterministic=True on the GPU needs a bias of the full [B, N, T, S] shape (its gradient "
-                       "over broadcast axes is summed with atomics)");
+      if (p.mask.dbias_dims[a] != full[a])
+        return invalid("deterministic=True on the GPU needs the dbias output in the full [B, N, T, S] shape "
+                       "(a bias's broadcast axes would otherwise be summed with float atomics), got " +
+                       ffi_decode::shape_str(dbias->dimensions()));
   }
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
@@ -168,7 +169,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) {
     // Nothing to launch; d(bias) and d(slopes) (maybe non-empty) are still all zeros.
     if (p.mask.dbias != nullptr) {
-      const int64_t* d = p.mask.bias_dims;
+      const int64_t* d = p.mask.dbias_dims;
       const size_t bytes = size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float);
       if (bytes > 0)
         if (auto e = launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, stream), "dbias memset"); e.failure())

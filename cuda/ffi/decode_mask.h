@@ -42,9 +42,8 @@ inline ffi::Error broadcast_bnts(const ffi::AnyBuffer& buf, const char* name, ff
     return invalid(std::string(name) + " must be " + type_name + " of rank 4 broadcastable to [B, N, T, S] = (" +
                    std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " + std::to_string(full[2]) +
                    ", " + std::to_string(full[3]) + "), got " + shape_str(d));
-  // Packed strides of the small array, with 0 on broadcast axes.
-  const int64_t col = 1, row = d[3], head = d[2] * d[3], batch = d[1] * d[2] * d[3];
-  *st = Strides4{d[0] == 1 ? 0 : batch, d[1] == 1 ? 0 : head, d[2] == 1 ? 0 : row, d[3] == 1 ? 0 : col};
+  const int64_t dims[4] = {d[0], d[1], d[2], d[3]};
+  *st = broadcast_strides(dims);
   return ffi::Error::Success();
 }
 
@@ -129,18 +128,26 @@ inline ffi::Error decode_segment_chunks(const ffi::AnyBuffer& q_chunks, const ff
   return ffi::Error::Success();
 }
 
-// The d(bias) output: float32 in the bias's shape, or a rank-0 placeholder without a bias.
-inline ffi::Error decode_dbias(ffi::AnyBuffer dbias, AttentionParams* p) {
-  const MaskParams& m = p->mask;
+// The d(bias) output: float32 in the bias's shape, or a rank-0 placeholder without a bias. With
+// allow_full (the GPU backward with deterministic=True), it may instead have the full [B, N, T, S]
+// shape, so that no element sums several contributions with atomics (MaskParams::dbias).
+inline ffi::Error decode_dbias(ffi::AnyBuffer dbias, bool allow_full, AttentionParams* p) {
+  MaskParams& m = p->mask;
   if (m.bias == nullptr) {
     if (present(dbias)) return invalid("dbias output given without a bias");
     return ffi::Error::Success();
   }
-  if (auto e = expect(dbias, "dbias", {m.bias_dims[0], m.bias_dims[1], m.bias_dims[2], m.bias_dims[3]},
-                      ffi::DataType::F32);
-      e.failure())
-    return e;
-  p->mask.dbias = static_cast<float*>(dbias.untyped_data());
+  const int64_t full[4] = {p->B, p->N, p->T, p->S};
+  auto d = dbias.dimensions();
+  bool is_full = allow_full && d.size() == 4 && dbias.element_type() == ffi::DataType::F32;
+  for (size_t a = 0; is_full && a < 4; ++a) is_full = d[a] == full[a];
+  const int64_t* dims = is_full ? full : m.bias_dims;
+  if (!is_full)
+    if (auto e = expect(dbias, "dbias", {dims[0], dims[1], dims[2], dims[3]}, ffi::DataType::F32); e.failure())
+      return e;
+  for (int a = 0; a < 4; ++a) m.dbias_dims[a] = dims[a];
+  m.dbias_strides = broadcast_strides(dims);
+  m.dbias = static_cast<float*>(dbias.untyped_data());
   return ffi::Error::Success();
 }
 

@@ -411,8 +411,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
         for (int mi = 0; mi < kNRows; ++mi) {
           const int row = cur.m0 + get<0>(tScS_rc(mi, 0));
           const RowPolicy rp = row_policy(p, bounds, batch, cur.head, row);
-          // d(bias) has the bias's (broadcast) strides: its row starts where the bias row does.
-          float* dbias_row = p.mask.dbias != nullptr ? p.mask.dbias + (rp.bias - p.mask.bias) : nullptr;
+          const Strides4& dbs = p.mask.dbias_strides;  // the bias's shape, or the full one (MaskParams)
+          float* dbias_row = p.mask.dbias != nullptr ? p.mask.dbias + batch * dbs.batch + cur.head * dbs.head +
+                                                           int64_t(row) * dbs.row
+                                                     : nullptr;
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ni += 2) {
             const int col = n0 + get<1>(tScS_rc(mi, ni));  // col + 1 is element ni + 1
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
               // d(logit) = P∘(dP·z − D): dropout scales dP, and dV sees the dropped P·z.
               const float ds = prob * (dS(mi, ni + e) * ze - dsum[mi]);
               if (dbias_row != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative
-                atomicAdd(dbias_row + (col + e) * rp.bias_col, ds);
+                atomicAdd(dbias_row + (col + e) * dbs.col, ds);
               if (slopes_grad) {  // the ALiBi term is -slope·|pos - j|: d(slope) = -sum dS·|pos - j|
                 const int d = rp.pos - (col + e);
                 slope_dot = fmaf(ds, float(d < 0 ? -d : d), slope_dot);

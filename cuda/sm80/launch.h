@@ -80,7 +80,7 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
   }
   // d(bias) is accumulated with atomics too (broadcast axes sum many elements into one).
   if (p.mask.dbias != nullptr) {
-    const int64_t* d = p.mask.bias_dims;
+    const int64_t* d = p.mask.dbias_dims;
     err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
   }

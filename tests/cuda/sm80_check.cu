@@ -92,8 +92,7 @@ static FeatureData make_features(const Config& c, std::mt19937& rng) {
     const bool keep[3][4] = {{1, 1, 1, 1}, {0, 1, 0, 1}, {1, 0, 1, 0}};
     for (int a = 0; a < 4; ++a) d.bias_dims[a] = keep[f.bias - 1][a] ? full[a] : 1;
     const int64_t* e = d.bias_dims;
-    d.bias_strides = jfa::Strides4{e[0] == 1 ? 0 : e[1] * e[2] * e[3], e[1] == 1 ? 0 : e[2] * e[3],
-                                   e[2] == 1 ? 0 : e[3], e[3] == 1 ? 0 : 1};
+    d.bias_strides = jfa::broadcast_strides(e);
     d.bias.resize(size_t(e[0] * e[1] * e[2] * e[3]));
     for (auto& x : d.bias) x = nd(rng);
   }
@@ -388,7 +387,9 @@ static void run_case(const Config& c, std::mt19937& rng) {
   if (!fd.bias.empty()) {
     CK(cudaMalloc(&d_dbias, fd.bias.size() * 4));
     CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: run_bwd must zero it
-    p.mask.dbias = d_dbias;
+    p.mask.dbias = d_dbias;  // in the bias's own shape (the FFI's full-shape one: tests/test_gpu.py)
+    for (int a = 0; a < 4; ++a) p.mask.dbias_dims[a] = p.mask.bias_dims[a];
+    p.mask.dbias_strides = jfa::broadcast_strides(p.mask.bias_dims);
   }
   // d(ALiBi slopes): partial sums per 64 keys, poisoned with NaN (run_bwd must zero them).
   float* d_dslopes = nullptr;

@@ -63,6 +63,13 @@ struct Strides4 {
   int64_t col = 0;
 };
 
+// Packed (row-major) strides of an array of shape d, 0 on its size-1 axes: how a bias, mask or
+// d(bias) of shape [B or 1, N or 1, T or 1, S or 1] is addressed as [B, N, T, S].
+inline Strides4 broadcast_strides(const int64_t d[4]) {
+  return Strides4{d[0] == 1 ? 0 : d[1] * d[2] * d[3], d[1] == 1 ? 0 : d[2] * d[3], d[2] == 1 ? 0 : d[3],
+                  d[3] == 1 ? 0 : 1};
+}
+
 // The masking and training features (jax_flashattn's keywords), read through jfa/mask.h.
 // Positions: query i of batch b is at position i + offset(b) relative to the keys, where the
 // offset is 0 (top-left alignment) or kv_len(b) - q_len(b) (bottom-right). Causal keeps keys
@@ -104,10 +111,15 @@ struct MaskParams {
   const float* alibi_slopes = nullptr;  // float32 [B or 1, N]
   int64_t alibi_batch_stride = 0;       // 0 when the slopes are shared by the batch
 
-  // Backward output: d(bias) in bias's own (broadcast) shape [bias_dims], packed, float32;
-  // the gradient of every broadcast axis summed.
+  int64_t bias_dims[4] = {0, 0, 0, 0};  // the bias's shape (each axis 1 or full)
+
+  // Backward output: d(bias), float32, packed in dbias_dims and addressed by dbias_strides (0 on
+  // its size-1 axes). Either the bias's own shape, every broadcast axis summed into it with float
+  // atomics, or (GPU, deterministic=True, broadcast bias) the full [B, N, T, S]: each element is
+  // then added once onto zero, so exactly, and the caller sums the broadcast axes in a fixed order.
   float* dbias = nullptr;
-  int64_t bias_dims[4] = {0, 0, 0, 0};
+  int64_t dbias_dims[4] = {0, 0, 0, 0};
+  Strides4 dbias_strides;
 
   // Backward output, with ALiBi: d(loss)/d(slope of batch b, head n) = -sum_ij dS_bnij |pos_i - j|
   // as partial sums [B, N, dslope_slots], float32, each slot written by one thread in a fixed
