@@ -6,11 +6,14 @@ ALiBi, dropout coordinates) count from each sequence's start, and causal_alignme
 sequence (bottom-right: the last query of a sequence sits at its last key).
 
 Two ways, chosen at trace time:
-  * packed self-attention (cu_seqlens_k is cu_seqlens_q, or None; as many query as key rows; no
-    dropout, bias, mask or per-sequence slopes): the packed rows are one batch row and the
-    sequences its segment ids, so nothing is copied or padded and the kernels skip the tiles of
-    different sequences. Within a sequence the global position differences are the local ones,
-    so causal, window and ALiBi mean the same; bottom-right equals top-left for equal lengths.
+  * unpadded: the packed rows are one batch row and the sequences its segment ids, so nothing is
+    copied or padded and the kernels skip the tiles of different sequences. Needs no dropout,
+    bias, mask or per-sequence slopes (they are defined per padded sequence), and either
+      - packed self-attention (cu_seqlens_k is cu_seqlens_q, or None; as many query as key
+        rows): within a sequence the global position differences are the local ones, so causal,
+        window and ALiBi mean the same; bottom-right equals top-left for equal lengths; or
+      - any two packings without positions (no causal mask, window or ALiBi): then nothing
+        depends on where a sequence starts on either side.
   * otherwise: the packed rows are gathered into a [num_seqs, max_seqlen, ...] batch,
     flash_attention runs with the sequence lengths as query_seq_lengths /
     key_value_seq_lengths (tiles past a sequence's end are skipped), and the rows are gathered
@@ -78,10 +81,13 @@ def _packs_as_segments(query, key, same_offsets, max_seqlen_q, max_seqlen_k, key
     alignment also needs max_seqlen_q == max_seqlen_k: a sequence cut to different lengths on the
     two sides would shift its queries by the difference."""
     slopes = keywords.get("alibi_slopes")
+    if keywords.get("dropout_rate") or keywords.get("bias") is not None or keywords.get("mask") is not None:
+        return False
+    if not same_offsets or query.shape[0] != key.shape[0]:  # two packings: only without positions
+        return (not keywords.get("is_causal") and keywords.get("local_window_size") is None
+                and slopes is None)
     aligned = keywords.get("causal_alignment", "top_left") != "bottom_right" or max_seqlen_q == max_seqlen_k
-    return (same_offsets and aligned and query.shape[0] == key.shape[0]
-            and not keywords.get("dropout_rate") and keywords.get("bias") is None
-            and keywords.get("mask") is None and (slopes is None or jnp.ndim(slopes) == 1))
+    return aligned and (slopes is None or jnp.ndim(slopes) == 1)
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q, max_seqlen_k,
@@ -92,7 +98,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_
       query: [total_T, N, H]; key [total_S, K, H]; value [total_S, K, Hv].
       cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1], cumulative sequence offsets (0 first).
         cu_seqlens_k None, or the very same array as cu_seqlens_q: self-attention over the
-        same packing, which runs without padding (module docstring).
+        same packing. It and calls without positions (no causal, window or ALiBi) run without
+        padding (module docstring).
       max_seqlen_q, max_seqlen_k: static ints, at least the longest query / key sequence
         (longer sequences are cut there).
       return_lse: also return the LSE, float32 [total_T, N].
@@ -118,7 +125,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_
         # num_seqs + 1 after): they match nothing, so their rows give 0 and -inf.
         n = cu_q.shape[0] - 1
         q_ids = _sequence_ids(cu_q, query.shape[0], max_seqlen_q, -1, n)
-        kv_ids = _sequence_ids(cu_q, key.shape[0], max_seqlen_k, -2, n + 1)
+        kv_ids = _sequence_ids(cu_k, key.shape[0], max_seqlen_k, -2, n + 1)
         out, lse = flash_attention(query[None], key[None], value[None], q_segment_ids=q_ids[None],
                                    kv_segment_ids=kv_ids[None], return_lse=True, **keywords)
         return (out[0], lse[0]) if return_lse else out[0]

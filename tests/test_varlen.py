@@ -23,11 +23,14 @@ def _packed(seed, q_lens, k_lens, N=4, K=2, H=16, extra_rows=3):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(), dict(is_causal=True), dict(is_causal=True, causal_alignment="bottom_right"),
+    dict(), dict(softcap=3.0, deterministic=True), dict(is_causal=True),
+    dict(is_causal=True, causal_alignment="bottom_right"),
     dict(local_window_size=(4, 2), causal_alignment="bottom_right", softcap=3.0,
          alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4])),
-], ids=["full", "causal", "bottom_right", "window+softcap+alibi"])
+], ids=["full", "softcap", "causal", "bottom_right", "window+softcap+alibi"])
 def test_matches_each_sequence_alone(kw):
+    """Two different packings: without positions (full, softcap) one unpadded batch row with
+    segment ids, otherwise the padded path (test_cross_packing_without_positions_is_unpadded)."""
     seed = fresh_seed()
     q_lens, k_lens = [5, 17, 1, 70], [9, 17, 30, 66]
     q, k, v, cu_q, cu_k = _packed(seed, q_lens, k_lens)
@@ -43,7 +46,8 @@ def test_matches_each_sequence_alone(kw):
         for b in range(len(q_lens)):
             sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
             sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
-            o, l = attention_reference(q[None, sq], k[None, sk], v[None, sk], **kw)
+            ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
+            o, l = attention_reference(q[None, sq], k[None, sk], v[None, sk], **ref_kw)
             outs.append(o[0])
             lses.append(l[0])
         out = jnp.concatenate(outs + [jnp.zeros((3, 4, 16))])
@@ -144,6 +148,26 @@ def test_packed_self_attention_has_no_padded_copy():
 
     assert fwd_operand_shapes(cu) == [(1, 23, 4, 16)]
     assert fwd_operand_shapes(jnp.array(cu)) == [(3, 17, 4, 16)]  # another array: padded
+
+
+def test_cross_packing_without_positions_is_unpadded():
+    """Two packings (different lengths on each side): one batch row when nothing depends on
+    positions; causal, window or ALiBi need each sequence's own start, so those pad."""
+    q, k, v, cu_q, cu_k = _packed(0, [5, 17, 1], [9, 2, 30], extra_rows=2)
+
+    def fwd_operand_shapes(**kw):
+        jaxpr = jax.make_jaxpr(lambda q, k, v: jfa.varlen_attention(
+            q, k, v, cu_q, cu_k, max_seqlen_q=17, max_seqlen_k=30, **kw))(q, k, v)
+        return [tuple(x.aval.shape for x in e.invars[:2]) for e in _eqns(jaxpr.jaxpr)
+                if e.primitive.name == "jfa_attention_fwd"]
+
+    assert fwd_operand_shapes() == [((1, 25, 4, 16), (1, 41, 2, 16))]
+    assert fwd_operand_shapes(softcap=2.0) == [((1, 25, 4, 16), (1, 41, 2, 16))]
+    padded = [((3, 17, 4, 16), (3, 30, 2, 16))]
+    assert fwd_operand_shapes(is_causal=True) == padded
+    assert fwd_operand_shapes(local_window_size=(3, 3)) == padded
+    assert fwd_operand_shapes(alibi_slopes=jnp.ones((4,))) == padded
+    assert fwd_operand_shapes(bias=jnp.zeros((1, 4, 17, 30))) == padded
 
 
 def _eqns(jaxpr):
