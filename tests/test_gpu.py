@@ -214,6 +214,15 @@ def test_mask_features_combined_on_gpu(combo, shape):
     check_combined(fresh_seed(), GPU_MASK_SHAPES[shape], combo, dtype=BF16)
 
 
+@pytest.mark.parametrize("combo", [("bottom_right_window", "alibi", "kv_lengths"), ("causal_window", "softcap")],
+                         ids="+".join)
+@pytest.mark.parametrize("H", [64, 256])
+def test_mask_features_past_short_sequences_on_gpu(combo, H):
+    """Past T = 1536 the Hopper forward's general path takes its long-sequence tiles (H 64:
+    192 x 112 with three consumers; cuda/sm90/launch.h)."""
+    check_combined(fresh_seed(), (1, 1700, 1800, 4, 2, H), combo, dtype=BF16)
+
+
 @pytest.mark.parametrize("combo", [("causal", "q_lengths", "kv_lengths", "bottom_right"),
                                    ("bottom_right_window", "alibi", "kv_lengths"), ("segments", "softcap")],
                          ids="+".join)

@@ -107,15 +107,24 @@ struct FwdConfig<Element, 128, kCausal> {
 template <typename Element, bool kCausal>
 struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
 
-// The general (masked) path: causal's tiles, except H 64 takes 128 x 128 with two consumer
-// warpgroups. With three (192 rows) each consumer gets 160 registers and the policy code spilled
-// 224 bytes; with two it gets 240 and spills 8.
+// The general (masked) path's tiles. Measured on an H200 (bf16, 16k, sm90_check --masks; percent
+// of plain causal for a no-op window / window (2048, 0) / ALiBi / 4 segments of 4096 / softcap):
+//   hdim  64: 192 x 112, 3 WGs: 97 / 75 / 71 / 61 / 58. 128 x 128 with 2 WGs: 89 / 72 / 63 / 73 / 52;
+//             192 x 96: 94 / 73 / 63 / 66 / 54; 192 x 128 spills 240 bytes (ptxas) in the policy
+//             code at 160 registers per consumer, 192 x 112 40 bytes. Segment ids take 128 x 128
+//             (launch.h): a 192-row tile straddles more segment boundaries, and a straddling tile
+//             tests every element of both segments' keys.
+//   hdim 128: causal's 128 x 128.
+//   hdim 256: 128 x 64: 89 / 83 / 72 / 81 / 69, against causal's 128 x 80: 90 / 80 / 67 / 75 / 69 and
+//             128 x 48: 79 / 74 / 66 / 72 / 61 (S 32 instead of 40 f32 per thread beside O's 128).
 template <typename Element, int kHeadDim>
 struct GeneralFwdConfig {
   using Traits = typename FwdConfig<Element, kHeadDim, true>::Traits;
 };
 template <typename Element>
-struct GeneralFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
+struct GeneralFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 192, 112, 2>; };
+template <typename Element>
+struct GeneralFwdConfig<Element, 256> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
 
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
 template <typename Traits>

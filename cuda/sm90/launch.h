@@ -66,10 +66,15 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
+  using Short = FwdTraits<Element, kHeadDim, 128, 128, 2>;
   // Masks and score modifiers: the general kernel, on tiles whose registers leave room for the
-  // policy code (GeneralFwdConfig).
-  if (p.mask.active())
+  // policy code (GeneralFwdConfig). H 64 takes 128 x 128 with segment ids (kernel_traits.h) and,
+  // as plain causal does below (measured there, not on this path), for short sequences.
+  if (p.mask.active()) {
+    if constexpr (kHeadDim == 64)
+      if (p.mask.q_segment_ids != nullptr || p.T <= 1536) return detail::launch_fwd<Short, false, true>(p, stream);
     return detail::launch_fwd<typename GeneralFwdConfig<Element, kHeadDim>::Traits, false, true>(p, stream);
+  }
   // Short sequences: 128 x 128 tiles with two consumers (and an own O buffer) where FwdConfig's
   // tile loses. Measured on an H200 (bf16, B·T = 16k, N·H = 2048; tests/cuda/sm90_check.cu), TFLOP/s:
   //   H 64 causal: 192-row tiles spend a third of their work on the diagonal and past T at T = 1k:
@@ -77,7 +82,6 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   //   H 128 non-causal: the 176-key tile's O reuses Q's smem, so the next tile's Q cannot load
   //     under the epilogue, which weighs most when a tile has few key blocks: 559 against 607 at
   //     S = 1k, 641 / 659 at 2k, 681 / 681 at 4k, 687 / 642 at 8k.
-  using Short = FwdTraits<Element, kHeadDim, 128, 128, 2>;
   if constexpr (kHeadDim == 64) {
     if (p.is_causal && p.T <= 1536) return detail::launch_fwd<Short, true>(p, stream);
   } else if constexpr (kHeadDim == 128) {

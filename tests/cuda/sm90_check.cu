@@ -567,6 +567,7 @@ int main(int argc, char** argv) {
     for (int H : {64, 128, 256}) {  // the general (masked) path
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
+      cases.push_back({1, 1600, 2100, 2, 1, H, true, BF, 0, kWindow | kAlibi});  // H 64's 192-row tiles
     }
   } else if (!bench_only) {
     const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}, {384, 384}};
@@ -593,6 +594,9 @@ int main(int argc, char** argv) {
       cases.push_back({2, 300, 255, 4, 2, H, true, BF, 0, kBottomRight | kLengths});  // T > S, bottom-right
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
       cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
+      // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
+      cases.push_back({1, 1700, 2100, 4, 2, H, true, BF, 0, kWindow | kAlibi | kLengths | kSoftcap});
+      cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 0, kBias | kMask | kBottomRight | kWindow});
     }
   }
   for (auto& c : cases) run_case(c, rng);
