@@ -114,7 +114,8 @@ struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256,
 //             code at 160 registers per consumer, 192 x 112 40 bytes. Segment ids take 128 x 128
 //             (launch.h): a 192-row tile straddles more segment boundaries, and a straddling tile
 //             tests every element of both segments' keys.
-//   hdim 128: causal's 128 x 128.
+//   hdim 128: causal's 128 x 128: 101 / 87 / 80 / 86 / 66; 128 x 112, 96 and 144 lose 3-10 points
+//             on window, ALiBi and segment ids (4096-key segments also end on 128-key tiles).
 //   hdim 256: 128 x 64: 89 / 83 / 72 / 81 / 69, against causal's 128 x 80: 90 / 80 / 67 / 75 / 69 and
 //             128 x 48: 79 / 74 / 66 / 72 / 61 (S 32 instead of 40 f32 per thread beside O's 128).
 template <typename Element, int kHeadDim>
