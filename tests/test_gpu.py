@@ -341,68 +341,23 @@ def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
 
 # ---- varlen_attention: both ways (packed self-attention as segment ids, else padded) ----------
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(local_window_size=(90, 0), alibi_slopes=jnp.full((4,), 0.05))],
-                         ids=["causal", "window+alibi"])
-def test_varlen_on_gpu(packed, kw):
-    """Self-attention over a packing of uneven sequences (several kernel tiles each), in bfloat16,
-    against the float32 reference run on each sequence alone: output, LSE and gradients."""
+def _check_varlen_on_gpu(seed, q_lens, k_lens, same_packing, kw):
+    """varlen_attention in bfloat16 against the float32 reference run on each sequence alone:
+    output, LSE and gradients. same_packing passes the very cu_seqlens array twice."""
     from jax_flashattn.reference import attention_reference
     from util import BOUNDS
-    seed = fresh_seed()
-    lens = [130, 1, 517, 64, 300]
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-    total, N, K, H = int(cu[-1]), 4, 2, 64
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (total, N, H)).astype(BF16)
-    k = jax.random.normal(keys[1], (total, K, H)).astype(BF16)
-    v = jax.random.normal(keys[2], (total, K, H)).astype(BF16)
-    w = jax.random.normal(keys[3], (total, N, H))
-    cu_k = cu if packed else jnp.array(cu)  # another array: the padded way
-
-    def ours(q, k, v):
-        out, lse = jfa.varlen_attention(q, k, v, cu, cu_k, max_seqlen_q=517, max_seqlen_k=517,
-                                        return_lse=True, **kw)
-        return jnp.sum(out.astype(jnp.float32) * w), (out, lse)
-
-    def theirs(q, k, v):
-        outs, lses = [], []
-        for b in range(len(lens)):
-            s = slice(int(cu[b]), int(cu[b + 1]))
-            o, l = attention_reference(q[None, s], k[None, s], v[None, s], **kw)
-            outs.append(o[0])
-            lses.append(l[0])
-        out = jnp.concatenate(outs)
-        return jnp.sum(out * w), (out, jnp.concatenate(lses))
-
-    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    (_, (r_out, r_lse)), r_grads = jax.value_and_grad(theirs, argnums=(0, 1, 2), has_aux=True)(*up)
-    fwd_bound, grad_bound = BOUNDS[BF16]
-    assert rel_err(out, r_out) <= fwd_bound, f"seed {seed}"
-    assert rel_err(lse, r_lse) <= 1e-4, f"seed {seed}"
-    for g, r in zip(grads, r_grads):
-        assert rel_err(g, r) <= grad_bound, f"seed {seed}"
-
-
-def test_cross_packed_varlen_on_gpu():
-    """Two different packings (cross-attention, no positions): one unpadded batch row with segment
-    ids of different lengths on each side; bfloat16 against the per-sequence float32 reference."""
-    from jax_flashattn.reference import attention_reference
-    from util import BOUNDS
-    seed = fresh_seed()
-    q_lens, k_lens = [130, 1, 517, 64], [200, 77, 3, 390]
-    cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32) for x in (q_lens, k_lens))
+    cu_of = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)  # noqa: E731
+    cu_q = cu_of(q_lens)
+    cu_k = cu_q if same_packing else cu_of(k_lens)
     N, K, H = 4, 2, 64
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (int(cu_q[-1]), N, H)).astype(BF16)
     k = jax.random.normal(keys[1], (int(cu_k[-1]), K, H)).astype(BF16)
     v = jax.random.normal(keys[2], (int(cu_k[-1]), K, H)).astype(BF16)
     w = jax.random.normal(keys[3], q.shape)
-    kw = dict(softcap=5.0)
 
     def ours(q, k, v):
-        out, lse = jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=517, max_seqlen_k=390,
+        out, lse = jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
                                         return_lse=True, **kw)
         return jnp.sum(out.astype(jnp.float32) * w), (out, lse)
 
@@ -424,3 +379,19 @@ def test_cross_packed_varlen_on_gpu():
     assert rel_err(lse, r_lse) <= 1e-4, f"seed {seed}"
     for g, r in zip(grads, r_grads):
         assert rel_err(g, r) <= grad_bound, f"seed {seed}"
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(local_window_size=(90, 0), alibi_slopes=jnp.full((4,), 0.05))],
+                         ids=["causal", "window+alibi"])
+def test_varlen_on_gpu(packed, kw):
+    """Self-attention over a packing of uneven sequences (several kernel tiles each): packed (the
+    same cu_seqlens twice: segment ids) or padded (an equal copy)."""
+    lens = [130, 1, 517, 64, 300]
+    _check_varlen_on_gpu(fresh_seed(), lens, lens, packed, kw)
+
+
+def test_cross_packed_varlen_on_gpu():
+    """Two different packings (cross-attention, no positions): one unpadded batch row with segment
+    ids of different lengths on each side."""
+    _check_varlen_on_gpu(fresh_seed(), [130, 1, 517, 64], [200, 77, 3, 390], False, dict(softcap=5.0))
