@@ -157,7 +157,8 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     B, T, N, _ = q.shape
     padded = [_pad_last(x, Hp) for x in (q, k, v, o)]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in padded[:3]]
-    # d(bias): float32 in the bias's shape (a rank-0 placeholder without a bias), as on the CPU.
+    # d(bias): float32 in the bias's shape as on the CPU, or full-shape (_dbias_shape); a rank-0
+    # placeholder without a bias.
     shapes.append(jax.ShapeDtypeStruct(_dbias_shape(config, q, k, extras[0]), jnp.float32))
     # d(ALiBi slopes): partial sums per 64 keys (jfa::kDslopeKeys), added up below in a fixed order.
     slopes = extras[_SLOPES].ndim != 0
