@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A/B timing of Hopper forward variants, on the GPU machine: each ROOT is a directory holding a
+# cuda/ tree (the working tree is "."; a baseline can be `git archive <commit> cuda | tar -x -C
+# .ab/base`, carried to the machine as an ignored path). Builds the bf16 sm90 forward of every
+# ROOT with nvcc alone (no CMake, no Python; head dims AB_HDIMS, default "64 128 256") into its own
+# tests/cuda/sm90_check binary, then runs `sm90_check MODE` of each ROOT in turn, AB_ROUNDS times
+# (default 3), so that clock and temperature drift reach every variant alike. Compare the BENCH
+# lines per variant across rounds (medians), never one round alone.
+#   bash benchmarks/ab_sm90.sh --lengths ROOT...     (or --masks, --bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=$1; shift
+[ $# -ge 1 ] || { echo "usage: $0 --lengths|--masks|--bench ROOT..."; exit 2; }
+OUT=${OUT:-/tmp/jfa-ab}
+mkdir -p "$OUT" /tmp/jfa-ab-build
+cutlass=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") \
+  || { echo "nvidia-cutlass is not importable (run .ci/gpu-run build first, or put .whl/ on PYTHONPATH)"; exit 1; }
+hdims=${AB_HDIMS:-64 128 256}
+mask=0
+for h in $hdims; do  # JFA_SM90_BUILT_MASK: bit 3 + head-dim index for bf16 (cuda/sm90/api.cu)
+  case $h in 64) mask=$((mask | 8)) ;; 128) mask=$((mask | 16)) ;; 256) mask=$((mask | 32)) ;; esac
+done
+flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
+       -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -DJFA_SM90_BUILT_MASK=${mask}u -DJFA_CHECK_NO_SM80)
+start=$(date +%s)
+i=0
+for root in "$@"; do
+  obj=/tmp/jfa-ab-build/$i
+  mkdir -p "$obj"
+  inc=(-I"$root/cuda" -I"$root/cuda/include" -Icuda -Itests/cuda -isystem "$cutlass")
+  srcs=("$root/cuda/sm90/api.cu" tests/cuda/sm90_check.cu)
+  for h in $hdims; do srcs+=("$root/cuda/instantiations/sm90_fwd_bf16_hdim$h.cu"); done
+  for src in "${srcs[@]}"; do
+    nvcc "${flags[@]}" "${inc[@]}" -c "$src" -o "$obj/$(basename "$src").o" > "$obj/$(basename "$src").log" 2>&1 &
+  done
+  i=$((i + 1))
+done
+wait
+i=0
+for root in "$@"; do
+  obj=/tmp/jfa-ab-build/$i
+  nvcc -gencode=arch=compute_90a,code=sm_90a "$obj"/*.o -lcuda -o "$obj/sm90_check" \
+    || { cat "$obj"/*.log | grep -E "error" | head -20; exit 1; }
+  i=$((i + 1))
+done
+echo "ab: built $# variants in $(( $(date +%s) - start )) s"
+for r in $(seq 1 "${AB_ROUNDS:-3}"); do
+  i=0
+  for root in "$@"; do
+    echo "== round $r variant $i ($root)"
+    timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$mode" 2>&1 | grep -E "BENCH|MASKS|FAIL" | tee -a "$OUT/ab-$i.log"
+    i=$((i + 1))
+  done
+done
