@@ -10,7 +10,8 @@
 //   wait K[n]; [scheduler barrier] issue S = Q·K[n]ᵀ (SS); O *= scale(n+1); issue O += P(n+1)·V[n+1]
 //   (RS, P in registers) [arrive at the next warpgroup's barrier]; wait S; softmax(S) -> P(n), scale(n);
 //   wait P·V.
-// So inside a warpgroup the softmax of block n runs while the tensor cores do P·V of block n+1,
+// So inside a warpgroup the softmax of block n runs while the tensor cores do P·V of block n+1
+// (provided the wait comes after it in SASS: utils.h, softmax_done),
 // and between warpgroups the named "scheduler" barriers make their GEMM issues alternate
 // (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
 // Epilogue: O / rowsum to bf16/fp16 into smem (stmatrix), one TMA store per tile (rows >= T are
@@ -87,7 +88,7 @@ struct KernelParams {
 // one per consumer warpgroup for the ping-pong schedule.
 enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
 // The tile handshake of the producer warp and the consumers (after the at most three scheduler
-// barriers; SharedStorage::next_tile).
+// barriers; SharedStorage::next_work).
 enum : int { kBarTile = kBarSchedFirst + 3 };
 
 // The tile handshake's meeting: the producer warp and every consumer. The unaligned form: the
@@ -101,16 +102,23 @@ __forceinline__ __device__ void tile_barrier() {
 // The smem words through which the producer hands out tiles: the named barrier orders the
 // accesses for the hardware, the volatile accesses and compiler fences for the compiler (CUTLASS's
 // barrier asm declares no memory clobber).
-__forceinline__ __device__ void publish_tile(int& slot, int tile) {
+__forceinline__ __device__ void publish_work(TileWork& slot, const TileWork& w) {
   asm volatile("" ::: "memory");
-  *static_cast<volatile int*>(&slot) = tile;
+  volatile int* words = reinterpret_cast<volatile int*>(&slot);
+  words[0] = w.tile;
+  words[1] = w.coord.m_block;
+  words[2] = w.coord.head;
+  words[3] = w.coord.batch;
+  words[4] = w.n_begin;
+  words[5] = w.n_end;
   asm volatile("" ::: "memory");
 }
-__forceinline__ __device__ int announced_tile(const int& slot) {
+__forceinline__ __device__ TileWork announced_work(const TileWork& slot) {
   asm volatile("" ::: "memory");
-  const int tile = *static_cast<const volatile int*>(&slot);
+  const volatile int* words = reinterpret_cast<const volatile int*>(&slot);
+  const TileWork w{words[0], {words[1], words[2], words[3]}, words[4], words[5]};
   asm volatile("" ::: "memory");
-  return tile;
+  return w;
 }
 
 // The general path's key blocks [x, y) of query tile m_block: those of its position range that
@@ -163,15 +171,21 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor sO = make_tensor(make_smem_ptr(Traits::kOAliasesQ ? ss.q.data() : ss.o.data()),
                           typename Traits::SmemLayoutO{});
 
-  // Key blocks [x, y) that a tile visits, walked from y - 1 down to x.
-  auto block_range = [&](const TileCoord& t) {
+  // Tile `tile` with its coordinates and the key blocks [n_begin, n_end) it visits (walked from
+  // n_end - 1 down to n_begin).
+  auto work_of = [&](int tile) {
+    TileWork w{tile, {0, 0, 0}, 0, 1};
+    if (tile >= p.num_tiles) return w;
+    w.coord = sched.get(tile);
     if constexpr (kGeneral) {
-      return general_block_range<kBlockM, kBlockN>(p.attn, t.batch, t.m_block);
+      const int2 r = general_block_range<kBlockM, kBlockN>(p.attn, w.coord.batch, w.coord.m_block);
+      w.n_begin = r.x;
+      w.n_end = r.y;
     } else {
-      int n = (p.S + kBlockN - 1) / kBlockN;
-      if constexpr (kCausal) n = min(n, (t.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
-      return make_int2(0, n);
+      w.n_end = (p.S + kBlockN - 1) / kBlockN;
+      if constexpr (kCausal) w.n_end = min(w.n_end, (w.coord.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
     }
+    return w;
   };
 
   if (warp_group == 0) {
@@ -185,8 +199,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Tensor mK = p.tma_k.get_tma_tensor(p.shape_kv);
     Tensor mV = p.tma_v.get_tma_tensor(p.shape_kv);
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-    for (int tile = blockIdx.x, iter = 0; tile < p.num_tiles; ++iter) {
-      const TileCoord t = sched.get(tile);
+    TileWork work = work_of(blockIdx.x);
+    for (int iter = 0; work.tile < p.num_tiles; ++iter) {
+      const TileCoord t = work.coord;
       const int kv_head = t.head / p.group;
       Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
       Tensor gK = local_tile(mK(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -203,8 +218,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         pipeline_v.producer_acquire(st);
         if (leader) copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
-      const int2 range = block_range(t);
-      int n = range.y - 1;
+      int n = work.n_end - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
       if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
@@ -223,17 +237,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       };
       // The first step's slots free during the previous tile: its loads go out before the wait
       // below. Then draw the next tile and hand it to the consumers, who read it when this tile
-      // ends (see SharedStorage::next_tile); the wait lasts until they start this tile.
-      if (n > range.x) load_step();
-      int next_tile = leader ? sched.next(tile) : 0;
-      if (leader) publish_tile(ss.next_tile[(iter + 1) & 1], next_tile);
-      next_tile = __shfl_sync(0xffffffffu, next_tile, 0);
+      // ends (see SharedStorage::next_work); the wait lasts until they start this tile.
+      if (n > work.n_begin) load_step();
+      const TileWork next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
+      if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
       tile_barrier<kNumMmaThreads>();
 #pragma unroll 1
-      while (n > range.x) load_step();
-      load_v(range.x, write);
+      while (n > work.n_begin) load_step();
+      load_v(work.n_begin, write);
       ++write;
-      tile = next_tile;
+      work = next;
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
@@ -273,13 +286,21 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tOsO = thr_copy_o.partition_D(sO);
 
   PipelineState read;
+  TileWork work = work_of(blockIdx.x);
+  // Keep each block's softmax before the wait for the P·V under it (utils.h, softmax_done). Not on
+  // the general path with three consumers (H 64's 192 x 112 at 160 registers): the P and O
+  // registers held through the softmax raise its spills from 40 to 60 bytes (ptxas), and its masks
+  // measured 2-7 % slower that way (H200, 16k, benchmarks/ab_sm90.sh --masks, masks-6.csv). The
+  // plain tiles gained 1-5 % (benchmarks/results/2026-11-22-nvidia-h200-pin-softmax.csv), the
+  // other general tiles stayed level.
+  constexpr bool kPinSoftmax = !(kGeneral && kNumMmaWarpGroups == 3);
+  float& softmax_sink = ss.softmax_sink[tid];
 #pragma unroll 1
-  for (int tile = blockIdx.x, iter = 0; tile < p.num_tiles; ++iter) {
+  for (int iter = 0; work.tile < p.num_tiles; ++iter) {
     tile_barrier<kNumMmaThreads>();  // the next tile is drawn
-    const TileCoord t = sched.get(tile);
+    const TileCoord t = work.coord;
     const int m0 = t.m_block * kBlockM;
-    const int2 range = block_range(t);
-    int n = range.y - 1;
+    int n = work.n_end - 1;
     // General path: this thread's rows of the tile, the per-element tests block n needs (found
     // under the block's GEMMs), and its scores with masks and modifiers applied, in units the
     // softmax multiplies by `logit_scale` (policy_logit_scale).
@@ -328,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     clear(tOrO);
 
 #pragma unroll 1
-    for (--n; n >= range.x; --n) {
+    for (--n; n >= work.n_begin; --n) {
       PipelineState read_v = read;  // V of the previous block
       ++read;
       pipeline_k.consumer_wait(read);
@@ -347,7 +368,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
       }
       softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
-      warpgroup_wait<0>();
+      if constexpr (kPinSoftmax) softmax_done(softmax_sink, softmax.row_sum[0] + softmax.row_sum[kRows - 1]);
+      warpgroup_wait<0>();  // P·V(n + 1) has finished: P may be overwritten
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
     }
@@ -394,7 +416,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         ss.q_empty.arrive();
       }
     }
-    tile = announced_tile(ss.next_tile[(iter + 1) & 1]);
+    work = announced_work(ss.next_work[(iter + 1) & 1]);
   }
   if (tid == 0) tma_store_wait<0>();
 }

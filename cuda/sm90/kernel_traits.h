@@ -36,6 +36,8 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "tile_scheduler.h"
+
 namespace jfa::sm90 {
 
 using namespace cute;
@@ -140,12 +142,14 @@ struct SharedStorage {
   typename Traits::Pipeline::SharedStorage pipeline_v;
   cutlass::arch::ClusterTransactionBarrier q_full;  // Q of the current tile has landed
   cutlass::arch::ClusterBarrier q_empty;            // consumers are done with Q (and O if aliased)
-  // The tile after tile i, in next_tile[(i + 1) % 2] (>= num_tiles: none). Once per tile the
-  // producer warp and the consumers meet at a named barrier (all blocking, so that racecheck sees
-  // the order too): the producer writes tile i + 1 before the meeting at the start of tile i,
-  // the consumers read it after, at the end of tile i. Two slots: the write of tile i + 2 (after
-  // the next meeting) cannot touch the slot still being read.
-  int next_tile[2];
+  // The tile after tile i, in next_work[(i + 1) % 2] (TileWork::tile >= num_tiles: none). Once
+  // per tile the producer warp and the consumers meet at a named barrier (all blocking, so that
+  // racecheck sees the order too): the producer writes tile i + 1 before the meeting at the start
+  // of tile i, the consumers read it after, at the end of tile i. Two slots: the write of tile
+  // i + 2 (after the next meeting) cannot touch the slot still being read.
+  TileWork next_work[2];
+  // One word per consumer thread that softmax_done() stores to (never read).
+  float softmax_sink[Traits::kNumMmaThreads];
 };
 
 }  // namespace jfa::sm90

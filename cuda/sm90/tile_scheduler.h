@@ -20,6 +20,17 @@ struct TileCoord {
   int m_block, head, batch;
 };
 
+// A tile as the consumers start it: its index (>= num_tiles: none), coordinates and key blocks
+// [n_begin, n_end). The producer works it out while the previous tile runs and hands it over
+// (fwd_kernel.h), so that the consumers' tile start waits on no integer division (three of them
+// in get(): about 100 instructions on the critical path of every tile) nor on the general path's
+// block range (segment summaries read from global memory).
+struct TileWork {
+  int tile;
+  TileCoord coord;
+  int n_begin, n_end;
+};
+
 template <bool kLongestFirst>
 struct TileScheduler {
   int num_m_blocks;

@@ -29,6 +29,17 @@ __forceinline__ __device__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB con
   if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TA&>(tCrA));
 }
 
+// Marks the end of a block's softmax before the wait for the P·V GEMM that runs under it. ptxas
+// schedules wgmma.wait_group as early as the memory operations around it allow (its SASS,
+// WARPGROUP.DEPBAR, came right after the K release), which put the wait for P·V(n + 1) before the
+// softmax of block n: the softmax never overlapped its own warpgroup's P·V, only the other
+// warpgroup's GEMMs (the same in FlashAttention-3's sm90 kernels, cuobjdump of flash_attn3_jax
+// 0.2.3). A shared-memory store of a value the softmax computes last keeps the wait after it:
+// three instructions per block (an address, an add, the store), the word is never read.
+__forceinline__ __device__ void softmax_done(float& smem_sink, float value) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&smem_sink)), "f"(value) : "memory");
+}
+
 // wgmma accumulator ((2, 2, N/8), M, N) -> (rows, cols) = ((2, M), (2, N/8, N)): a thread holds
 // 2 rows per 64-row atom, each with N/4 columns spread over the 4 threads of a quad.
 template <typename Layout>
