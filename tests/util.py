@@ -87,12 +87,28 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
     grads, r_grads = zip(*[(g, r) for g, r in zip(grads, r_grads) if g is not None])
     names = [name for name, x in zip(names, (q, k, v, bias, slopes)) if x is not None]
     # d(bias) of a bias broadcast over both T and S sums whole rows of dS, and a row of dS sums to
-    # dlse (sum_j P_ij (dP_ij - D_i) = dlse_i): the result is far smaller than its terms, so the
-    # float32 rounding of P (from the saved LSE) weighs more against it (seen in float32: 4.7e-5
-    # for a scalar bias, T = 100, S = 130).
+    # dlse (sum_j P_ij (dP_ij - D_i) = dlse_i): each element is a sum of random dlse_i over the
+    # rows it covers, far smaller than its terms, and by chance near 0 (a scalar bias, float32,
+    # T = 100, S = 130: relative errors of 4.7e-5, and 3.3e-4 for one seed). So its error is
+    # measured against the size such a sum has on average, sqrt(sum of dlse_i^2), where that is
+    # larger than the sum itself: the float32 rounding of P (from the saved LSE) is a fraction of
+    # the terms, not of their sum.
     row_sums = bias is not None and bias.ndim == 4 and bias.shape[-2:] == (1, 1)
     for name, g, r in zip(names, grads, r_grads):
         assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape, g.dtype, r.dtype)
-        bound = max(grad_bound, 2e-4) if name == "dbias" and row_sums else grad_bound
-        assert rel_err(g, r) <= bound, f"seed {seed}: {name} error {rel_err(g, r)}"
+        if name == "dbias" and row_sums:
+            err = _row_sum_error(g, r, dlse, bias.shape)
+            bound = max(grad_bound, 2e-4)
+        else:
+            err, bound = rel_err(g, r), grad_bound
+        assert err <= bound, f"seed {seed}: {name} error {err}"
     return out, lse, grads
+
+
+def _row_sum_error(g, ref, dlse, bias_shape) -> float:
+    """rel_err of a [B|1, N|1, 1, 1] d(bias), against at least the rms size of its sums of dlse."""
+    sq = np.transpose(np.asarray(dlse, np.float64) ** 2, (0, 2, 1))[..., None]  # [B, N, T, 1]
+    axes = tuple(a for a in range(4) if bias_shape[a] == 1)
+    scale = np.sqrt(np.sum(sq, axis=axes, keepdims=True))
+    g64, ref64 = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (g, ref))
+    return float(np.linalg.norm(g64 - ref64) / max(np.linalg.norm(ref64), np.linalg.norm(scale), 1e-30))
