@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   TileWork work = work_of(blockIdx.x);
   // Keep each block's softmax before the wait for the P·V under it (utils.h, softmax_done). Not on
   // the general path with three consumers (H 64's 192 x 112 at 160 registers): the P and O
-  // registers held through the softmax raise its spills from 40 to 60 bytes (ptxas), and its masks
+  // registers held through the softmax raise its spills from 12 to 60 bytes (ptxas), and its masks
   // measured 2-7 % slower that way (H200, 16k, benchmarks/ab_sm90.sh --masks, masks-6.csv). The
   // plain tiles gained 1-5 % (benchmarks/results/2026-11-22-nvidia-h200-pin-softmax.csv), the
   // other general tiles stayed level.

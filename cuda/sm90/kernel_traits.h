@@ -113,7 +113,8 @@ struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256,
 // of plain causal for a no-op window / window (2048, 0) / ALiBi / 4 segments of 4096 / softcap):
 //   hdim  64: 192 x 112, 3 WGs: 97 / 75 / 71 / 61 / 58. 128 x 128 with 2 WGs: 89 / 72 / 63 / 73 / 52;
 //             192 x 96: 94 / 73 / 63 / 66 / 54; 192 x 128 spills 240 bytes (ptxas) in the policy
-//             code at 160 registers per consumer, 192 x 112 40 bytes. Segment ids take 128 x 128
+//             code at 160 registers per consumer, 192 x 112 40 bytes (12 since the producer hands
+//             each tile over decoded: fwd_kernel.h, TileWork). Segment ids take 128 x 128
 //             (launch.h): a 192-row tile straddles more segment boundaries, and a straddling tile
 //             tests every element of both segments' keys.
 //   hdim 128: causal's 128 x 128: 101 / 87 / 80 / 86 / 66; 128 x 112, 96 and 144 lose 3-10 points
