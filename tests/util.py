@@ -26,12 +26,13 @@ def random_qkv(seed, B, T, S, N, K, H, Hv=None, dtype=jnp.float32):
                  for key, shape in zip((kq, kk, kv), shapes))
 
 
-def rel_err(x, ref) -> float:
+def rel_err(x, ref, floor=1e-30) -> float:
+    """|x - ref| / |ref| (Frobenius norms), the denominator at least `floor`."""
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
     assert x.shape == ref.shape, (x.shape, ref.shape)
     assert np.all(np.isfinite(x)), "non-finite values in the result"
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), floor))
 
 
 def reference_with_grads(q, k, v, do, dlse, *, scale=None, is_causal=False):
@@ -110,5 +111,4 @@ def _row_sum_error(g, ref, dlse, bias_shape) -> float:
     sq = np.transpose(np.asarray(dlse, np.float64) ** 2, (0, 2, 1))[..., None]  # [B, N, T, 1]
     axes = tuple(a for a in range(4) if bias_shape[a] == 1)
     scale = np.sqrt(np.sum(sq, axis=axes, keepdims=True))
-    g64, ref64 = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (g, ref))
-    return float(np.linalg.norm(g64 - ref64) / max(np.linalg.norm(ref64), np.linalg.norm(scale), 1e-30))
+    return rel_err(g, ref, floor=max(float(np.linalg.norm(scale)), 1e-30))
