@@ -5,12 +5,14 @@
 # ROOT with nvcc alone (no CMake, no Python; head dims AB_HDIMS, default "64 128 256") into its own
 # tests/cuda/sm90_check binary, then runs `sm90_check MODE` of each ROOT in turn, AB_ROUNDS times
 # (default 3), so that clock and temperature drift reach every variant alike. Compare the BENCH
-# lines per variant across rounds (medians), never one round alone.
-#   bash benchmarks/ab_sm90.sh --lengths ROOT...     (or --masks, --bench)
+# lines per variant across rounds (medians), never one round alone. AB_CHECK=1 first runs each
+# variant's correctness sweep (sm90_check with no mode; $OUT/check-<i>.log), so that no timing is
+# read off a variant that computes wrong results.
+#   bash benchmarks/ab_sm90.sh --lengths ROOT...     (or --masks, --bench; or several: --masks,--lengths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=$1; shift
-[ $# -ge 1 ] || { echo "usage: $0 --lengths|--masks|--bench ROOT..."; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 --lengths|--masks|--bench[,...] ROOT..."; exit 2; }
 OUT=${OUT:-/tmp/jfa-ab}
 mkdir -p "$OUT" /tmp/jfa-ab-build
 cutlass=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") \
@@ -44,11 +46,20 @@ for root in "$@"; do
   i=$((i + 1))
 done
 echo "ab: built $# variants in $(( $(date +%s) - start )) s"
+if [ "${AB_CHECK:-0}" = 1 ]; then
+  for i in $(seq 0 $(($# - 1))); do
+    timeout 200 /tmp/jfa-ab-build/$i/sm90_check > "$OUT/check-$i.log" 2>&1
+    echo "check variant $i: exit $? ($(grep -c PASS "$OUT/check-$i.log") PASS, $(grep -E 'failures' "$OUT/check-$i.log"))"
+    grep FAIL "$OUT/check-$i.log" | head -5
+  done
+fi
 for r in $(seq 1 "${AB_ROUNDS:-3}"); do
   i=0
   for root in "$@"; do
-    echo "== round $r variant $i ($root)"
-    timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$mode" 2>&1 | grep -E "BENCH|MASKS|FAIL" | tee -a "$OUT/ab-$i.log"
+    for m in ${mode//,/ }; do
+      echo "== round $r variant $i ($root) $m"
+      timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$m" 2>&1 | grep -E "BENCH|MASKS|FAIL" | tee -a "$OUT/ab-$i.log"
+    done
     i=$((i + 1))
   done
 done

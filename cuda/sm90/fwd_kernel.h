@@ -14,11 +14,12 @@
 // (provided the wait comes after it in SASS: utils.h, softmax_done),
 // and between warpgroups the named "scheduler" barriers make their GEMM issues alternate
 // (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
-// Epilogue: O / rowsum to bf16/fp16 into smem (stmatrix), one TMA store per tile (rows >= T are
-// clipped by TMA), LSE straight from registers.
+// Epilogue, per consumer warpgroup: O / rowsum to bf16/fp16 into its rows of smem (stmatrix), TMA
+// stores of those rows (rows >= T are clipped by TMA), LSE straight from registers.
 //
-// kGeneral (with kCausal = false): masks and score modifiers as policies (jfa/mask.h,
-// jfa/row_policy.cuh; causality from p.attn.is_causal). A tile visits only the key blocks of its
+// kPolicies != 0, the general path (with kCausal = false): masks and score modifiers as policies
+// (jfa/mask.h, jfa/row_policy.cuh; causality from p.attn.is_causal), compiled for the set of
+// them in kPolicies (mask.h). A tile visits only the key blocks of its
 // position range (causal with either alignment, window, valid lengths) that may share a segment
 // with it (the segment summaries): that is its trip count. Each thread reads its rows' bounds once
 // per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
@@ -57,10 +58,11 @@ auto make_tma_kv(GTensor const& t) {
   return make_tma_copy(SM90_TMA_LOAD{}, t, take<0, 2>(typename Traits::SmemLayoutK{}),
                        Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
 }
+// O is stored per consumer warpgroup, in boxes of 64 rows x 64 columns (one 128-byte swizzle
+// atom wide): in SmemLayoutO such a box is contiguous and swizzled like a box of its own.
 template <typename Traits, typename GTensor>
 auto make_tma_o(GTensor const& t) {
-  return make_tma_copy(SM90_TMA_STORE{}, t, typename Traits::SmemLayoutO{},
-                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+  return make_tma_copy(SM90_TMA_STORE{}, t, typename Traits::SmemLayoutOBox{}, Shape<_64, _64>{}, _1{});
 }
 
 template <typename Traits>
@@ -84,19 +86,27 @@ struct KernelParams {
   AttentionParams attn;  // the whole call: the general path reads its masks and modifiers here
 };
 
-// Named barriers (ids after CUTLASS's reserved ones): one for the epilogue of all consumers, and
-// one per consumer warpgroup for the ping-pong schedule.
-enum : int { kBarEpilogue = 0, kBarSchedFirst = 1 };
-// The tile handshake of the producer warp and the consumers (after the at most three scheduler
-// barriers; SharedStorage::next_work).
-enum : int { kBarTile = kBarSchedFirst + 3 };
+// Named barriers, by raw id (0 is __syncthreads'; the kernel uses no CUTLASS collective, so
+// CUTLASS's reserved ids are free): per consumer warpgroup w, its ping-pong scheduler barrier, its
+// tile meeting with the producer warp and its epilogue. Per warpgroup, so that nothing but the
+// ping-pong order ties the consumers together: a warpgroup ending a tile stores its own 64 rows
+// of O and starts the next tile while the other still runs its last P·V. With one barrier of all
+// consumers there, both waited for the later one and then ran their epilogues side by side, the
+// tensor cores idle; it weighs most on tiles of few key blocks: causal 1k measured 3-4 % faster
+// without it (H 64 and H 128, H200, benchmarks/ab_sm90.sh --lengths), 16k level.
+enum : int { kBarSchedFirst = 1, kBarTileFirst = 4, kBarEpilogueFirst = 7 };
 
-// The tile handshake's meeting: the producer warp and every consumer. The unaligned form: the
+__forceinline__ __device__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__forceinline__ __device__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// The tile meeting of the producer warp and consumer warpgroup w. The unaligned form: the
 // producer lanes may arrive diverged (each spins on the pipeline's mbarriers on its own), which
 // bar.sync's aligned form does not allow (synccheck reports it).
-template <int kNumMmaThreads>
-__forceinline__ __device__ void tile_barrier() {
-  cutlass::arch::NamedBarrier(kNumMmaThreads + 32, kBarTile).arrive_and_wait_unaligned();
+__forceinline__ __device__ void tile_meeting(int w) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(kBarTileFirst + w), "r"(128 + 32) : "memory");
 }
 
 // The smem words through which the producer hands out tiles: the named barrier orders the
@@ -133,9 +143,10 @@ __forceinline__ __device__ int2 general_block_range(const AttentionParams& p, in
   return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
 }
 
-template <typename Traits, bool kCausal, bool kGeneral>
+template <typename Traits, bool kCausal, int kPolicies>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kGeneral> const sched) {
+    fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kPolicies != 0> const sched) {
+  constexpr bool kGeneral = kPolicies != 0;
   static_assert(!(kCausal && kGeneral), "the general path takes causality from p.attn");
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
@@ -152,7 +163,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     ss.q_full.init(1);
-    ss.q_empty.init(Traits::kOAliasesQ ? 1 : kNumMmaThreads);
+    // Aliased O: each consumer warpgroup's storing thread, once its store has read smem.
+    ss.q_empty.init(Traits::kOAliasesQ ? kNumMmaWarpGroups : kNumMmaThreads);
   }
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kKVStageBytes;
@@ -168,8 +180,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(Traits::kOAliasesQ ? ss.q.data() : ss.o.data()),
-                          typename Traits::SmemLayoutO{});
+  Element* const smem_o = Traits::kOAliasesQ ? ss.q.data() : ss.o.data();
+  Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
 
   // Tile `tile` with its coordinates and the key blocks [n_begin, n_end) it visits (walked from
   // n_end - 1 down to n_begin).
@@ -241,7 +253,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (n > work.n_begin) load_step();
       const TileWork next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
       if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
-      tile_barrier<kNumMmaThreads>();
+      // Consumer 0 leads the ping-pong, so it is met first.
+      for (int w = 0; w < kNumMmaWarpGroups; ++w) tile_meeting(w);
 #pragma unroll 1
       while (n > work.n_begin) load_step();
       load_v(work.n_begin, write);
@@ -258,12 +271,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   const int tid = threadIdx.x - 128;
   const int mma_wg = warp_group - 1;
-  auto sched_sync = [&] { cutlass::arch::NamedBarrier::sync(256, kBarSchedFirst + mma_wg); };
+  const int wg_tid = tid % 128;
+  auto sched_sync = [&] { bar_sync(kBarSchedFirst + mma_wg, 256); };
   auto sched_arrive = [&] {
     const int next = mma_wg + 1 == kNumMmaWarpGroups ? 0 : mma_wg + 1;
-    cutlass::arch::NamedBarrier::arrive(256, kBarSchedFirst + next);
+    bar_arrive(kBarSchedFirst + next, 256);
   };
-  if (mma_wg == 0) cutlass::arch::NamedBarrier::arrive(256, kBarSchedFirst);  // consumer 0 goes first
+  if (mma_wg == 0) bar_arrive(kBarSchedFirst, 256);  // consumer 0 goes first
 
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -297,7 +311,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   float& softmax_sink = ss.softmax_sink[tid];
 #pragma unroll 1
   for (int iter = 0; work.tile < p.num_tiles; ++iter) {
-    tile_barrier<kNumMmaThreads>();  // the next tile is drawn
+    tile_meeting(mma_wg);  // the next tile is drawn
     const TileCoord t = work.coord;
     const int m0 = t.m_block * kBlockM;
     int n = work.n_end - 1;
@@ -305,21 +319,29 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // under the block's GEMMs), and its scores with masks and modifiers applied, in units the
     // softmax multiplies by `logit_scale` (policy_logit_scale).
     [[maybe_unused]] const auto rows =
-        kGeneral ? tile_rows<kRows, kBlockM>(p.attn, t.batch, t.head, m0, cS_rc) : TileRows<kRows>{};
+        kGeneral ? tile_rows<kPolicies, kRows, kBlockM>(p.attn, t.batch, t.head, m0, cS_rc) : TileRows<kRows>{};
     auto tests_of = [&](int n_block) {
-      return kGeneral ? block_needs(p.attn, rows, n_block * kBlockN, kBlockN) : 0;
+      return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block * kBlockN, kBlockN) : 0;
     };
     // Score modifiers touch every block (the full policy code). Without them a block whose
     // elements need no test (most blocks of a window or of packed segments) skips the policy code
     // altogether, and the others run a copy without the modifiers. Before, the per-feature checks
     // ran on every block: ncu, H200, H 128 causal 16k with a no-op window, 619M instructions
     // against plain causal's 540M, 565M with the skip.
-    const bool score_mods = kGeneral && p.attn.mask.has_score_mod();
+    constexpr int kScoreMods = kPolicyAlibi | kPolicyScore;
+    const bool score_mods = (kPolicies & kScoreMods) && p.attn.mask.has_score_mod();
+    // The per-row shift of the block's scores (apply_policy: ALiBi), which the softmax adds.
+    float shift[kRows];
     auto general_scores = [&](auto& scores_rc, int n_block, int needs) {
-      if (score_mods)
-        apply_policy<true>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
-      else if (needs != 0)
-        apply_policy<false>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n_block * kBlockN, needs);
+      const int n0 = n_block * kBlockN;
+      if (score_mods) {
+        apply_policy<kPolicies>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs, shift);
+      } else {
+        if (needs != 0)
+          apply_policy<kPolicies & ~kScoreMods>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs, shift);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) shift[r] = 0.f;
+      }
     };
     const float logit_scale = kGeneral ? policy_logit_scale(p.attn) : p.scale_log2;
 
@@ -334,17 +356,26 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
     ss.q_full.wait(iter & 1);
 
+    // Once its last Q·Kᵀ has finished, a consumer is done with Q: with an own O buffer, the next
+    // tile's Q may load under this tile's last softmax, P·V and epilogue.
+    auto release_q_after = [&](int n_block) {
+      if constexpr (!Traits::kOAliasesQ)
+        if (n_block == work.n_begin) ss.q_empty.arrive();
+    };
+
     // First (last-in-memory) key block: the only one that can cross S; causal diagonal too.
     int needs = tests_of(n);
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipeline_k.consumer_release(read);
+    release_q_after(n);
     if constexpr (kGeneral) {
       general_scores(tSrS_rc, n, needs);
+      softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
     } else {
       apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
+      softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
     }
-    softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
     convert(tSrS, tOrP);
     clear(tOrO);
 
@@ -362,25 +393,28 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       needs = tests_of(n);
       warpgroup_wait<1>();  // S is ready; P·V still running
       pipeline_k.consumer_release(read);
+      release_q_after(n);
       if constexpr (kGeneral) {
         general_scores(tSrS_rc, n, needs);
-      } else if (kCausal && n * kBlockN + kBlockN - 1 > m0) {
-        apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
+        softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
+      } else {
+        if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
+        softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
       }
-      softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
       if constexpr (kPinSoftmax) softmax_done(softmax_sink, softmax.row_sum[0] + softmax.row_sum[kRows - 1]);
       warpgroup_wait<0>();  // P·V(n + 1) has finished: P may be overwritten
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
     }
-    // Every Q·Kᵀ of this tile is done: the producer may load the next tile's Q (own O buffer).
-    if constexpr (!Traits::kOAliasesQ) ss.q_empty.arrive();
-
     scale_rows(tOrO_rc, o_scale);
     pipeline_v.consumer_wait(read);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
     float lse[kRows];
     softmax.finalize(logit_scale, o_scale, lse);
+    if constexpr (kGeneral) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) lse[r] -= alibi_lse_shift(p.attn, rows, r);
+    }
     warpgroup_wait<0>();
     pipeline_v.consumer_release(read);
     ++read;
@@ -397,28 +431,38 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     }
     Tensor rO = make_tensor<Element>(tOrO.layout());
     convert(tOrO, rO);
+    // Each warpgroup stores its own rows: its threads write their O fragments into its 64 rows of
+    // sO, and its first thread issues the TMA stores of those rows (rows >= T are clipped by TMA).
+    const int epilogue_bar = kBarEpilogueFirst + mma_wg;
     if constexpr (!Traits::kOAliasesQ) {
-      // The previous tile's TMA store must have read sO before it is overwritten.
-      if (tid == 0) tma_store_wait<0>();
-      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarEpilogue);
+      // This warpgroup's previous store must have read its rows of sO before they are overwritten.
+      if (wg_tid == 0) tma_store_wait<0>();
+      bar_sync(epilogue_bar, 128);
     }
     copy(copy_o, thr_copy_o.retile_S(rO), tOsO);
     cutlass::arch::fence_view_async_shared();  // make the smem writes visible to TMA
-    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarEpilogue);
-    if (tid == 0) {
+    bar_sync(epilogue_bar, 128);
+    if (wg_tid == 0) {
       Tensor mO = p.tma_o.get_tma_tensor(p.shape_q);
-      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
-      auto [tOgO_tma, tOsO_tma] = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(p.tma_o, tOsO_tma, tOgO_tma);
+      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<_64, _64>{},
+                             make_coord(t.m_block * kNumMmaWarpGroups + mma_wg, _));  // (64, 64, H / 64)
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c) {
+        Tensor sO_box = make_tensor(make_smem_ptr(smem_o + Traits::o_box_offset(mma_wg, c)),
+                                    typename Traits::SmemLayoutOBox{});
+        auto [tOgO_tma, tOsO_tma] =
+            tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO_box), group_modes<0, 2>(gO(_, _, c)));
+        copy(p.tma_o, tOsO_tma, tOgO_tma);
+      }
       tma_store_arrive();
       if constexpr (Traits::kOAliasesQ) {
-        tma_store_wait<0>();  // O lives in Q's smem: the next Q may load once the store has read it
+        tma_store_wait<0>();  // O lives in Q's smem: the next Q may load once the stores have read it
         ss.q_empty.arrive();
       }
     }
     work = announced_work(ss.next_work[(iter + 1) & 1]);
   }
-  if (tid == 0) tma_store_wait<0>();
+  if (wg_tid == 0) tma_store_wait<0>();
 }
 
 }  // namespace jfa::sm90

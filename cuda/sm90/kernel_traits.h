@@ -86,6 +86,12 @@ struct FwdTraits {
                                          Step<_2, _1, _3>{})));
   // O has Q's layout, so when it reuses Q's smem each warpgroup writes only its own rows.
   using SmemLayoutO = SmemLayoutQ;
+  // A warpgroup stores O in boxes of 64 rows x 64 columns. SmemLayoutO tiles the atom down the
+  // rows first, so box (w, c) (rows 64w.., columns 64c..) is contiguous at this offset and laid
+  // out as a 64 x 64 tile of its own (the offset is a multiple of the swizzle's 1024-element period).
+  using SmemLayoutOBox = decltype(tile_to_shape(SmemAtom{}, Shape<_64, _64>{}));
+  static constexpr int o_box_offset(int w, int c) { return w * 64 * 64 + c * kBlockM * 64; }
+  static_assert(cosize_v<SmemLayoutOBox> == 64 * 64 && (kBlockM * 64) % 1024 == 0);
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
@@ -109,7 +115,9 @@ struct FwdConfig<Element, 128, kCausal> {
 template <typename Element, bool kCausal>
 struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
 
-// The general (masked) path's tiles. Measured on an H200 (bf16, 16k, sm90_check --masks; percent
+// The general (masked) path's tiles (measured before the policy sets of mask.h and the per-
+// warpgroup epilogue, which moved every general figure but left the tile comparisons standing).
+// Measured on an H200 (bf16, 16k, sm90_check --masks; percent
 // of plain causal for a no-op window / window (2048, 0) / ALiBi / 4 segments of 4096 / softcap):
 //   hdim  64: 192 x 112, 3 WGs: 97 / 75 / 71 / 61 / 58. 128 x 128 with 2 WGs: 89 / 72 / 63 / 73 / 52;
 //             192 x 96: 94 / 73 / 63 / 66 / 54; 192 x 128 spills 240 bytes (ptxas) in the policy

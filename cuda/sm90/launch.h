@@ -23,8 +23,9 @@ inline GmemStride gmem_stride(const Strides& s, int64_t heads, int64_t batch) {
   return GmemStride{s.row, _1{}, heads == 1 ? s.row : s.head, batch == 1 ? s.row : s.batch};
 }
 
-template <typename Traits, bool kCausal, bool kGeneral = false>
+template <typename Traits, bool kCausal, int kPolicies = 0>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
+  constexpr bool kGeneral = kPolicies != 0;
   using Element = typename Traits::Element;
   const GmemShape shape_q{int(p.T), int(p.H), int(p.N), int(p.B)};
   const GmemShape shape_kv{int(p.S), int(p.H), int(p.K), int(p.B)};
@@ -51,7 +52,7 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
     if (cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream); err != cudaSuccess)
       return err;
 
-  auto kernel = &fwd_kernel<Traits, kCausal, kGeneral>;
+  auto kernel = &fwd_kernel<Traits, kCausal, kPolicies>;
   constexpr int smem = int(sizeof(SharedStorage<Traits>));
   static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -60,6 +61,17 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   const int grid = std::min(kp.num_tiles, num_sms());
   kernel<<<dim3(unsigned(grid)), Traits::kNumThreads, smem, stream>>>(kp, sched);
   return cudaGetLastError();
+}
+
+// The general path: the smallest compiled policy set (mask.h) that covers the call. Three sets:
+// positions and ALiBi; positions and the data masks; everything.
+template <typename Traits>
+cudaError_t launch_general(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int kAlibiSet = kPolicyPositions | kPolicyAlibi, kDataSet = kPolicyPositions | kPolicyData;
+  const int needed = policies_needed(p.mask);
+  if ((needed & ~kAlibiSet) == 0) return launch_fwd<Traits, false, kAlibiSet>(p, stream);
+  if ((needed & ~kDataSet) == 0) return launch_fwd<Traits, false, kDataSet>(p, stream);
+  return launch_fwd<Traits, false, kPolicyAll>(p, stream);
 }
 
 }  // namespace detail
@@ -72,8 +84,8 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   // as plain causal does below (measured there, not on this path), for short sequences.
   if (p.mask.active()) {
     if constexpr (kHeadDim == 64)
-      if (p.mask.q_segment_ids != nullptr || p.T <= 1536) return detail::launch_fwd<Short, false, true>(p, stream);
-    return detail::launch_fwd<typename GeneralFwdConfig<Element, kHeadDim>::Traits, false, true>(p, stream);
+      if (p.mask.q_segment_ids != nullptr || p.T <= 1536) return detail::launch_general<Short>(p, stream);
+    return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits>(p, stream);
   }
   // Short sequences: 128 x 128 tiles with two consumers (and an own O buffer) where FwdConfig's
   // tile loses. Measured on an H200 (bf16, B·T = 16k, N·H = 2048; tests/cuda/sm90_check.cu), TFLOP/s:

@@ -18,6 +18,25 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
+// The policies a general-path kernel compiles code for (fwd_kernel's kPolicies, a bit set).
+// Positions (causal with either alignment, window, valid lengths) always; ALiBi; the other score
+// modifiers (soft-capping, bias); the data masks (segment ids, boolean mask). launch.h picks the
+// smallest compiled set that covers a call. One kernel with every feature measured ALiBi slower
+// than its instruction count: its hot loop spans the code of every feature's per-element loops,
+// and instruction-cache misses ("no instruction") were 8-12 % of the stall samples (ncu, H200,
+// H 128, causal 16k), against 1 % on the plain path.
+enum : int { kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicyData = 8 };
+enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
+
+// The policies a call needs.
+inline int policies_needed(const MaskParams& m) {
+  int set = kPolicyPositions;
+  if (m.alibi_slopes != nullptr) set |= kPolicyAlibi;
+  if (m.softcap > 0.f || m.bias != nullptr) set |= kPolicyScore;
+  if (m.q_segment_ids != nullptr || m.mask != nullptr) set |= kPolicyData;
+  return set;
+}
+
 // tanh on the MUFU unit (max relative error ~2^-11), as FlashAttention-3's soft-capping.
 __forceinline__ __device__ float fast_tanh(float x) {
   float y;
@@ -40,16 +59,18 @@ template <int kRows>
 struct TileRows {
   int lo[kRows], hi[kRows];  // keys [lo, hi) visible by position; empty past q_len and T
   int pos[kRows];            // the key-aligned position (ALiBi)
+  int pos0;                  // that of the tile's first row: ALiBi's reference (apply_policy)
   int seg[kRows];            // the segment id (with segment ids)
   int seg_begin, seg_end;    // keys that share the segment of every row of the tile (maybe none)
   float slope;               // the head's ALiBi slope (0 without)
 };
 
-template <int kRows, int kTileRowsM, typename Coords>
+template <int kPolicies, int kRows, int kTileRowsM, typename Coords>
 __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, int batch, int head, int m0,
                                                     Coords const& coords) {
   const SequenceBounds bounds = sequence_bounds(p, batch);
   TileRows<kRows> rows;
+  rows.pos0 = m0 + int(bounds.offset);
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int i = m0 + get<0>(coords(r, 0));
@@ -66,7 +87,7 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
   // on a chunk): blocks inside it need no segment test. Packed sequences give the whole sequence.
   rows.seg_begin = rows.seg_end = 0;
   const MaskParams& m = p.mask;
-  if (m.q_segment_chunks != nullptr) {
+  if ((kPolicies & kPolicyData) && m.q_segment_chunks != nullptr) {
     const SegmentIds q = segment_ids(m.q_segment_chunks, batch, int(p.T), m0, kTileRowsM);
     if (q.uniform()) {
       const SegmentChunk* qc = segment_chunk_row(m.q_segment_chunks, batch, int(p.T));
@@ -96,33 +117,42 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
 // block's GEMMs and the wait for its scores.
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4 };
 
-template <int kRows>
+template <int kPolicies, int kRows>
 __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n0, int bn) {
-  int needs = p.mask.mask != nullptr ? kNeedsMask : 0;
+  constexpr bool kData = kPolicies & kPolicyData;
+  int needs = kData && p.mask.mask != nullptr ? kNeedsMask : 0;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r)
     if (rows.lo[r] > n0 || rows.hi[r] < n0 + bn) needs |= kNeedsPositions;
-  if (p.mask.q_segment_ids != nullptr && !(n0 >= rows.seg_begin && min(n0 + bn, int(p.S)) <= rows.seg_end))
+  if (kData && p.mask.q_segment_ids != nullptr && !(n0 >= rows.seg_begin && min(n0 + bn, int(p.S)) <= rows.seg_end))
     needs |= kNeedsSegments;
   return needs;
 }
 
-// Raw q·k scores of the key block at n0 to logits in the units of policy_logit_scale: soft-capping,
-// bias and ALiBi on every element, then -inf where an element fails a test of `needs`
-// (block_needs). `scores` and `coords` are (row, col) views of the accumulator and of the identity tensor
-// partitioned the same way; `coords0` is the same partition for thread 0. A wgmma accumulator
-// fragment is thread 0's translated by a per-thread offset, so a column is that offset plus a
-// compile-time constant: ALiBi's distances and the position tests then cost one add or compare
-// per element, with no int-to-float conversion (which would share the MUFU pipe with exp2). Loads
-// use indices clamped into [0, S): elements outside are hidden anyway, and the clamp keeps them in
-// bounds without a branch. kScoreMods = false compiles the tests only (no softcap, bias or ALiBi):
-// the kernel calls that copy for blocks that need tests when the call has no score modifier.
-template <bool kScoreMods, int kRows, typename Scores, typename Coords, typename Coords0>
+// Raw q·k scores of the key block [n0, n0 + bn) to logits in the units of policy_logit_scale:
+// soft-capping, bias and ALiBi on every element, then -inf where an element fails a test of
+// `needs` (block_needs). `scores` and `coords` are (row, col) views of the accumulator and of the
+// identity tensor partitioned the same way; `coords0` is the same partition for thread 0. A wgmma
+// accumulator fragment is thread 0's translated by a per-thread offset, so a column is that offset
+// plus a compile-time constant: ALiBi's distances and the position tests then cost one add or
+// compare per element, with no int-to-float conversion (which would share the MUFU pipe with
+// exp2). Loads use indices clamped into [0, S): elements outside are hidden anyway, and the clamp
+// keeps them in bounds without a branch. Only the policies in kPolicies are compiled; the kernel
+// calls a copy without the score modifiers for blocks that need tests when the call has none.
+//
+// ALiBi leaves part of its term in shift[r], which the softmax adds per row (OnlineSoftmax::
+// update): the logits come out as l + slope·(pos_r − pos0) + shift[r], a per-row constant over
+// the whole tile (pos0: the tile's first row), which the kernel takes off the LSE (alibi_lse_shift).
+// Where the keys a row sees in this block all lie on one side of it (every block of a causal
+// row), −slope·|pos − j| is linear in the column, and what varies per element is one FFMA with a
+// compile-time column: slope·c0. Blocks that straddle a row keep the |·| (two instructions).
+template <int kPolicies, int kRows, typename Scores, typename Coords, typename Coords0>
 __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coords, Coords0 const& coords0,
                                              const AttentionParams& p, const TileRows<kRows>& rows, int batch,
-                                             int head, int m0, int n0, int needs) {
+                                             int head, int m0, int n0, int bn, int needs, float (&shift)[kRows]) {
   const MaskParams& m = p.mask;
-  const bool has_softcap = kScoreMods && m.softcap > 0.f;
+  constexpr bool kScore = kPolicies & kPolicyScore, kAlibi = kPolicies & kPolicyAlibi, kData = kPolicies & kPolicyData;
+  const bool has_softcap = kScore && m.softcap > 0.f;
   // Additive terms (natural units) to the logits' units: log2 e, over the scale when raw.
   const float add_scale = kLog2eF / (has_softcap ? 1.f : p.scale_log2);
   const float softcap2 = m.softcap * kLog2eF;  // the cap in log2 units (see jfa/score_mod.h)
@@ -131,12 +161,13 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
   const int col_shift = n0 + get<1>(coords(0, 0)) - get<1>(coords0(0, 0));  // column = col_shift + c0
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
+    shift[r] = 0.f;
     const int64_t i = min(m0 + get<0>(coords(r, 0)), last_query);
     if (has_softcap) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) scores(r, c) = softcap2 * fast_tanh(scores(r, c) * softcap_in);
     }
-    if (kScoreMods && m.bias != nullptr) {
+    if (kScore && m.bias != nullptr) {
       const Strides4& st = m.bias_strides;
       const float* bias = m.bias + batch * st.batch + head * st.head + i * st.row;
       const int col = int(st.col);
@@ -146,12 +177,28 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         scores(r, c) = fmaf(bias[j * col], add_scale, scores(r, c));
       }
     }
-    if (kScoreMods && m.alibi_slopes != nullptr) {
-      // -slope * |pos - j| with pos - j = (pos - col_shift) - c0.
-      const float slope = -rows.slope * add_scale, d0 = float(rows.pos[r] - col_shift);
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c)
-        scores(r, c) = fmaf(slope, fabsf(d0 - float(get<1>(coords0(r, c)))), scores(r, c));
+    if (kAlibi && m.alibi_slopes != nullptr) {
+      // Relative to pos0: the row at P, this thread's first column at C, a key at C + c0.
+      const float slope = rows.slope * add_scale;
+      const int P = rows.pos[r] - rows.pos0, C = col_shift - rows.pos0;
+      if (min(rows.hi[r], n0 + bn) - 1 <= rows.pos[r]) {
+        // Keys left of the row: −slope·(P − C − c0) + slope·P = slope·C + slope·c0.
+        shift[r] = slope * float(C);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) scores(r, c) = fmaf(slope, float(get<1>(coords0(r, c))), scores(r, c));
+      } else if (max(rows.lo[r], n0) >= rows.pos[r]) {
+        // Keys right of it: −slope·(C + c0 − P) + slope·P = slope·(2P − C) − slope·c0.
+        shift[r] = slope * float(2 * P - C);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) scores(r, c) = fmaf(-slope, float(get<1>(coords0(r, c))), scores(r, c));
+      } else {
+        // −slope·|P − C − c0| + slope·P.
+        shift[r] = slope * float(P);
+        const float d0 = float(P - C);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c)
+          scores(r, c) = fmaf(-slope, fabsf(d0 - float(get<1>(coords0(r, c)))), scores(r, c));
+      }
     }
     if (needs & kNeedsPositions) {
       // Visible by position iff lo <= j < hi, i.e. lo - col_shift <= c0 < hi - col_shift.
@@ -162,14 +209,14 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         if (c0 < lo || c0 >= hi) scores(r, c) = -INFINITY;
       }
     }
-    if (needs & kNeedsSegments) {
+    if (kData && (needs & kNeedsSegments)) {
       const int32_t* kv_seg = m.kv_segment_ids + int64_t(batch) * p.S;
       const int seg = rows.seg[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c)
         if (kv_seg[min(col_shift + get<1>(coords0(r, c)), last_key)] != seg) scores(r, c) = -INFINITY;
     }
-    if (needs & kNeedsMask) {
+    if (kData && (needs & kNeedsMask)) {
       const Strides4& st = m.mask_strides;
       const uint8_t* mask = m.mask + batch * st.batch + head * st.head + i * st.row;
       const int col = int(st.col);
@@ -178,6 +225,13 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         if (mask[min(col_shift + get<1>(coords0(r, c)), last_key) * col] == 0) scores(r, c) = -INFINITY;
     }
   }
+}
+
+// What apply_policy's ALiBi left in the logits of row r over the whole tile, slope·(pos_r − pos0),
+// in natural units: the LSE the softmax computes is this much too large.
+template <int kRows>
+__forceinline__ __device__ float alibi_lse_shift(const AttentionParams& p, const TileRows<kRows>& rows, int r) {
+  return p.mask.alibi_slopes != nullptr ? rows.slope * float(rows.pos[r] - rows.pos0) : 0.f;
 }
 
 }  // namespace jfa::sm90

@@ -24,19 +24,37 @@ struct OnlineSoftmax {
   // instead of NaN.
   template <bool kFirst, typename Scores>
   __forceinline__ __device__ void update(Scores& s, float scale_log2, float (&o_scale)[kRows]) {
+    const float no_shift[kRows] = {};
+    update_impl<kFirst, false>(s, scale_log2, o_scale, no_shift);
+  }
+  // The same for scores that stand for s + shift[r] (per row, this thread's elements of the
+  // block): the general path's ALiBi moves a per-block term out of the per-element work
+  // (mask.h, apply_policy). Two more instructions per row and block.
+  template <bool kFirst, typename Scores>
+  __forceinline__ __device__ void update(Scores& s, float scale_log2, float (&o_scale)[kRows],
+                                         const float (&shift)[kRows]) {
+    update_impl<kFirst, true>(s, scale_log2, o_scale, shift);
+  }
+
+  template <bool kFirst, bool kShifted, typename Scores>
+  __forceinline__ __device__ void update_impl(Scores& s, float scale_log2, float (&o_scale)[kRows],
+                                              const float (&shift)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = kFirst ? -INFINITY : row_max[r];
+      float m = kFirst || kShifted ? -INFINITY : row_max[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      if constexpr (kShifted) m += shift[r];  // the shift differs between the threads of a row
       m = quad_max(m);
+      if constexpr (kShifted && !kFirst) m = fmaxf(m, row_max[r]);
       const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
       o_scale[r] = kFirst ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;
+      const float offset = kShifted ? fmaf(shift[r], scale_log2, -m_scaled) : -m_scaled;
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
+        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, offset));
         sum += s(r, c);
       }
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], o_scale[r], sum);
