@@ -13,7 +13,10 @@ span [begin(c0), end(c1)) with two loads (a superset of the exact union, equal t
 ids, as packed sequences have; empty when begin >= end). Then, of the side's own positions,
 [run begin, run end): the maximal run of consecutive chunks that each hold one id, the same one,
 around chunk c (empty unless c holds one id), which lets a kernel prove a whole range of blocks
-inside one segment with two loads per tile; and two zeros (8 int32 per chunk, two aligned int4
+inside one segment with two loads per tile; and [match begin, match end): for a chunk that holds
+one id, the other side's run of one-id chunks with that id at its chunk `begin` or the next one
+(empty if neither): a kernel tile inside one segment finds its keys that need no segment test
+with one load, instead of a chain of three dependent ones (8 int32 per chunk, two aligned int4
 loads). Matches jfa::MaskParams::q_segment_chunks (cuda/include/jfa/params.h); chunk =
 jfa::kSegmentChunk.
 """
@@ -64,16 +67,31 @@ def _uniform_runs(lo, hi, length):
     return begin.astype(jnp.int32), end.astype(jnp.int32)
 
 
+def _matching_runs(lo, hi, begin, other_lo, other_hi, other_run):
+    """[match begin, match end) per chunk as the module docstring defines them."""
+    n_other = other_lo.shape[1]
+    k0 = begin // CHUNK
+    match_begin = match_end = jnp.zeros_like(lo)
+    take = lambda x, k: jnp.take_along_axis(x, k, axis=1)  # noqa: E731
+    for step in (1, 0):  # chunk `begin` wins over the next one
+        k = jnp.minimum(k0 + step, n_other - 1)
+        olo, ohi = take(other_lo, k), take(other_hi, k)
+        match = (k0 + step < n_other) & (lo == hi) & (olo == ohi) & (olo == lo)
+        match_begin = jnp.where(match, take(other_run[0], k), match_begin)
+        match_end = jnp.where(match, take(other_run[1], k), match_end)
+    return match_begin, match_end
+
+
 def segment_chunks(q_segment_ids, kv_segment_ids):
     """(q summaries int32 [B, ceil(T/16), 8], kv summaries int32 [B, ceil(S/16), 8])."""
     q_lo, q_hi = _id_ranges(q_segment_ids)
     k_lo, k_hi = _id_ranges(kv_segment_ids)
     T, S = q_segment_ids.shape[1], kv_segment_ids.shape[1]
+    q_run, k_run = _uniform_runs(q_lo, q_hi, T), _uniform_runs(k_lo, k_hi, S)
 
-    def side(lo, hi, length, other_lo, other_hi, other_len):
+    def side(lo, hi, run, other_lo, other_hi, other_run, other_len):
         begin, end = _spans(lo, hi, other_lo, other_hi, other_len)
-        run_begin, run_end = _uniform_runs(lo, hi, length)
-        zero = jnp.zeros_like(lo)
-        return jnp.stack([lo, hi, begin, end, run_begin, run_end, zero, zero], -1).astype(jnp.int32)
+        match = _matching_runs(lo, hi, begin, other_lo, other_hi, other_run)
+        return jnp.stack([lo, hi, begin, end, *run, *match], -1).astype(jnp.int32)
 
-    return side(q_lo, q_hi, T, k_lo, k_hi, S), side(k_lo, k_hi, S, q_lo, q_hi, T)
+    return side(q_lo, q_hi, q_run, k_lo, k_hi, k_run, S), side(k_lo, k_hi, k_run, q_lo, q_hi, q_run, T)

@@ -71,4 +71,10 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
         lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
         return out, lse  # gradients of q, k, v (and bias) are zeros: nothing here depends on them
+    if scale < 0:
+        # The GPU kernels take the running max over the raw q·k and scale it afterwards, so with a
+        # negative scale they would stabilise by the smallest logit instead of the largest (and
+        # overflow past ~88 nats of range). q·k·scale = (-q)·k·|scale|; JAX differentiates the
+        # negation.
+        q, scale = -q, -scale
     return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)

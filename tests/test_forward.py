@@ -66,6 +66,23 @@ def test_scale_is_applied():
     assert rel_err(out, ref) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5, f"seed {seed}"
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_negative_scale_with_wide_logits(is_causal):
+    """scale < 0 makes the largest logit the most negative q·k; with logits hundreds of nats
+    apart a kernel that stabilised by the largest q·k instead would overflow. Gradients too."""
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, 1, 70, 300, 2, 2, 64)
+    k = k * jnp.linspace(8.0, 1.0, 300)[None, :, None, None]
+    do = jax.random.normal(jax.random.key(seed + 1), q.shape)
+    f = lambda q, k, v: jfa.flash_attention(q, k, v, scale=-0.5, is_causal=is_causal)  # noqa: E731
+    r = lambda q, k, v: attention_reference(q, k, v, scale=-0.5, is_causal=is_causal)[0]  # noqa: E731
+    out, vjp = jax.vjp(f, q, k, v)
+    ref, ref_vjp = jax.vjp(r, q, k, v)
+    assert rel_err(out, ref) <= 1e-5, f"seed {seed}: out {rel_err(out, ref)}"
+    for name, g, gr in zip("qkv", vjp(do), ref_vjp(do)):
+        assert rel_err(g, gr) <= 4e-5, f"seed {seed}: d{name} {rel_err(g, gr)}"
+
+
 def test_unbatched_layout_matches_batched():
     seed = fresh_seed()
     q, k, v = random_qkv(seed, 1, 37, 51, 4, 2, 64)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn as jfa
-from util import fresh_seed, random_qkv, reference_with_grads, rel_err
+from util import BOUNDS, fresh_seed, random_qkv, reference_with_grads, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -87,6 +87,37 @@ PORTABLE_SHAPES = [
     (2, 255, 1000, 8, 2, 128, 128),
     (1, 17, 33, 2, 2, 256, 256),
 ]
+
+
+def wide_growing_logits(seed, dtype):
+    """q, k, v whose logits span hundreds of nats, the largest of each row growing block after
+    block in the order the kernels walk the keys (the sm90 forward from the last block down: its
+    running max stays stale until it grows by 2^8, cuda/sm90/softmax.h)."""
+    q, k, v = random_qkv(seed, 1, 300, 1000, 4, 2, 128, dtype=dtype)
+    ramp = jnp.linspace(8.0, 1.0, 1000, dtype=jnp.float32)[None, :, None, None]
+    return q, (k.astype(jnp.float32) * ramp).astype(dtype), v
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("scale", [0.5, -0.5], ids=["positive", "negative"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_wide_logits_and_negative_scale_on_gpu(is_causal, scale, dtype):
+    """A running max that grows past the rescaling threshold on most blocks, and a negative scale
+    (whose largest logit comes from the most negative q·k), forward and gradients."""
+    seed = fresh_seed()
+    q, k, v = wide_growing_logits(seed, dtype)
+    do = jax.random.normal(jax.random.key(seed + 1), q.shape).astype(dtype)
+    dlse = jax.random.normal(jax.random.key(seed + 2), q.shape[:3], jnp.float32)
+    f = lambda q, k, v: jfa.flash_attention(q, k, v, scale=scale, is_causal=is_causal,  # noqa: E731
+                                            return_lse=True, implementation="cuda")
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    grads = vjp((do, dlse))
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, do, dlse, scale=scale, is_causal=is_causal)
+    fwd_bound, grad_bound = BOUNDS[dtype]
+    assert rel_err(out, ref_out) <= fwd_bound, f"seed {seed}: out {rel_err(out, ref_out)}"
+    assert rel_err(lse, ref_lse) <= 1e-4, f"seed {seed}: lse {rel_err(lse, ref_lse)}"
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= grad_bound, f"seed {seed}: d{name} {rel_err(g, r)}"
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -9,6 +9,22 @@ import pytest
 from jax_flashattn._segment_chunks import CHUNK, segment_chunks
 
 
+def _runs(ranges, length):
+    """[run begin, run end) per chunk: the maximal run of one-id chunks with the chunk's id."""
+    def run(c):
+        if ranges[c][0] != ranges[c][1]:
+            return c * CHUNK, c * CHUNK
+        same = lambda o: ranges[o][0] == ranges[o][1] == ranges[c][0]
+        a = c
+        while a > 0 and same(a - 1):
+            a -= 1
+        e = c
+        while e + 1 < len(ranges) and same(e + 1):
+            e += 1
+        return a * CHUNK, min((e + 1) * CHUNK, length)
+    return [run(c) for c in range(len(ranges))]
+
+
 def _expected(ids, other):
     L, M = len(ids), len(other)
     chunk_ranges = lambda x: [(x[c:c + CHUNK].min(), x[c:c + CHUNK].max()) for c in range(0, len(x), CHUNK)]
@@ -17,20 +33,17 @@ def _expected(ids, other):
     for lo, hi in mine:
         hits = [c for c, (olo, ohi) in enumerate(theirs) if olo <= hi and ohi >= lo]
         spans.append((hits[0] * CHUNK, min((hits[-1] + 1) * CHUNK, M)) if hits else (M, 0))
-    def run(c):
-        if mine[c][0] != mine[c][1]:
-            return c * CHUNK, c * CHUNK
-        same = lambda o: mine[o][0] == mine[o][1] == mine[c][0]
-        a = c
-        while a > 0 and same(a - 1):
-            a -= 1
-        e = c
-        while e + 1 < len(mine) and same(e + 1):
-            e += 1
-        return a * CHUNK, min((e + 1) * CHUNK, L)
-
-    return np.array([(lo, hi, min(b for b, _ in spans[c:]), max(e for _, e in spans[:c + 1])) + run(c) + (0, 0)
-                     for c, (lo, hi) in enumerate(mine)], np.int32)
+    runs, their_runs = _runs(mine, L), _runs(theirs, M)
+    rows = []
+    for c, (lo, hi) in enumerate(mine):
+        begin, end = min(b for b, _ in spans[c:]), max(e for _, e in spans[:c + 1])
+        match = (0, 0)
+        for k in (begin // CHUNK, begin // CHUNK + 1):
+            if lo == hi and k < len(theirs) and theirs[k] == (lo, lo):
+                match = their_runs[k]
+                break
+        rows.append((lo, hi, begin, end) + runs[c] + match)
+    return np.array(rows, np.int32)
 
 
 def _tile_span(summary, x0, count, length):
@@ -61,6 +74,10 @@ def test_summaries_match_their_definition(T, S, sorted_ids):
             begin, end = _tile_span(qs[b], x0, count, T)
             tile_ids = set(q[b, x0:x0 + count].tolist())
             assert all(begin <= j < end for j in range(S) if k[b, j] in tile_ids)
+        # And: the keys of a chunk's matching run all hold the chunk's one id.
+        for c in range(qs.shape[1]):
+            mb, me = qs[b, c, 6:8]
+            assert mb == me == 0 or (q[b, c * CHUNK:(c + 1) * CHUNK] == k[b, mb:me, None]).all()
 
 
 def test_disjoint_segments_give_empty_spans():
@@ -77,3 +94,4 @@ def test_sorted_ids_give_exact_spans():
     for s in range(4):
         assert tuple(_tile_span(qs[0], 64 * s, 64, 256)) == (64 * s, 64 * s + 64)
         assert tuple(qs[0, 4 * s + 1, 4:6]) == (64 * s, 64 * s + 64)  # the run of one sequence
+        assert tuple(qs[0, 4 * s + 1, 6:8]) == (64 * s, 64 * s + 64)  # and its keys

@@ -102,6 +102,19 @@ def compare_with_reference(seed, shape, kw, *, dtype=jnp.float32, bias=None, ref
             bound = max(grad_bound, 2e-4)
         else:
             err, bound = rel_err(g, r), grad_bound
+        if name == "dslopes" and dtype != jnp.float32 and jax.default_backend() != "cpu":
+            # d(slope) sums d(logit)·|pos_q - pos_k| over every pair, terms of both signs that largely
+            # cancel, while the 16-bit rounding of O (in the backward's rowsum(dO·O)) adds an error of
+            # one sign per row: relative to the sum it can reach 0.2 for one seed in bf16 (two heads;
+            # seed 563773744 of test_mask_feature_on_gpu[tiles-alibi]: 0.23 on an H200, 0.19 with the
+            # CPU kernels in bf16). The yardstick is then the CPU kernels' error in the same dtype, an
+            # implementation checked in float32 to 4e-5 (tests/test_masks.py).
+            cpu = jax.devices("cpu")[0]
+            on_cpu = [None if x is None else jax.device_put(x, cpu) for x in (q, k, v, bias, slopes, do, dlse)]
+            with jax.default_device(cpu):
+                c_vjp = jax.vjp(jax.jit(ours), *on_cpu[:5])[1]
+                c_g = c_vjp((on_cpu[5], on_cpu[6]))[4]
+            bound = max(bound, 2 * rel_err(c_g, r) + grad_bound)
         assert err <= bound, f"seed {seed}: {name} error {err}"
     return out, lse, grads
 

@@ -7,7 +7,7 @@
 //
 // Consumer schedule per key block n (walked from the last block down: the boundary/diagonal
 // blocks come first and are the only ones masked):
-//   wait K[n]; [scheduler barrier] issue S = Q·K[n]ᵀ (SS); O *= scale(n+1); issue O += P(n+1)·V[n+1]
+//   wait K[n]; [scheduler barrier] issue S = Q·K[n]ᵀ (SS); O *= scale(n+1) (if a max grew); issue O += P(n+1)·V[n+1]
 //   (RS, P in registers) [arrive at the next warpgroup's barrier]; wait S; softmax(S) -> P(n), scale(n);
 //   wait P·V.
 // So inside a warpgroup the softmax of block n runs while the tensor cores do P·V of block n+1
@@ -353,6 +353,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     static_assert(decltype(size<0>(tSrS_rc))::value == kRows);
     OnlineSoftmax<kRows> softmax;
     float o_scale[kRows];
+    // Whether O must be scaled by o_scale before the next P·V: only when a row's running max grew
+    // (softmax.h, kMaxGrowthLog2). Decided per warp, so that the warp skips or runs the FMULs as
+    // one; tiles without kRescaleOnGrowthOnly (kernel_traits.h) scale on every block.
+    bool rescale_o = false;
+    auto rescale_o_if_needed = [&] {
+      if (!Traits::kRescaleOnGrowthOnly || __any_sync(0xffffffffu, rescale_o)) scale_rows(tOrO_rc, o_scale);
+    };
 
     ss.q_full.wait(iter & 1);
 
@@ -363,18 +370,21 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (n_block == work.n_begin) ss.q_empty.arrive();
     };
 
-    // First (last-in-memory) key block: the only one that can cross S; causal diagonal too.
-    int needs = tests_of(n);
+    // First (last-in-memory) key block: the only one that can cross S; causal diagonal too. Its
+    // tests are found under its GEMM, as in the loop (they wait for tile_rows' loads).
     pipeline_k.consumer_wait(read);
-    gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    int needs = tests_of(n);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(read);
     release_q_after(n);
     if constexpr (kGeneral) {
       general_scores(tSrS_rc, n, needs);
-      softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
+      rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
     } else {
       apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
-      softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
+      rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
     }
     convert(tSrS, tOrP);
     clear(tOrO);
@@ -386,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       pipeline_k.consumer_wait(read);
       sched_sync();
       gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-      scale_rows(tOrO_rc, o_scale);
+      rescale_o_if_needed();
       pipeline_v.consumer_wait(read_v);
       gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
       sched_arrive();
@@ -396,17 +406,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       release_q_after(n);
       if constexpr (kGeneral) {
         general_scores(tSrS_rc, n, needs);
-        softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
+        rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
       } else {
         if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
-        softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
+        rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
       }
       if constexpr (kPinSoftmax) softmax_done(softmax_sink, softmax.row_sum[0] + softmax.row_sum[kRows - 1]);
       warpgroup_wait<0>();  // P·V(n + 1) has finished: P may be overwritten
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
     }
-    scale_rows(tOrO_rc, o_scale);
+    rescale_o_if_needed();
     pipeline_v.consumer_wait(read);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
     float lse[kRows];

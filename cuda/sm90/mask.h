@@ -82,29 +82,19 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
     rows.seg[r] = row.seg;
     rows.slope = row.slope;
   }
-  // With segment ids: if the tile's queries hold one id, the keys of the run of one-id kv chunks
-  // with that id where its key span starts (or one chunk later, when the segment does not start
-  // on a chunk): blocks inside it need no segment test. Packed sequences give the whole sequence.
+  // With segment ids: if the tile's queries hold one id (the run of one-id chunks around its first
+  // chunk covers it), the keys of the run of one-id kv chunks with that id where its key span
+  // starts (the chunk's match run, jax_flashattn/_segment_chunks.py): blocks inside it need no
+  // segment test. Packed sequences give the whole sequence. One load: worked out here from the
+  // kv summaries it was a chain of three dependent loads, which each tile waited out before its
+  // first block (the first block's tests need it).
   rows.seg_begin = rows.seg_end = 0;
   const MaskParams& m = p.mask;
   if ((kPolicies & kPolicyData) && m.q_segment_chunks != nullptr) {
-    const SegmentIds q = segment_ids(m.q_segment_chunks, batch, int(p.T), m0, kTileRowsM);
-    if (q.uniform()) {
-      const SegmentChunk* qc = segment_chunk_row(m.q_segment_chunks, batch, int(p.T));
-      const SegmentChunk* kc = segment_chunk_row(m.kv_segment_chunks, batch, int(p.S));
-      const int num_kc = (int(p.S) + kSegmentChunk - 1) / kSegmentChunk;
-      const int first = __ldg(&qc[m0 / kSegmentChunk].ids_span.z) / kSegmentChunk;
-      CUTE_UNROLL
-      for (int k = first; k <= first + 1; ++k) {
-        if (k >= num_kc) break;
-        const int4 ids = __ldg(&kc[k].ids_span);
-        if (ids.x == q.lo && ids.y == q.lo) {
-          const int4 run = __ldg(&kc[k].run);
-          rows.seg_begin = run.x;
-          rows.seg_end = run.y;
-          break;
-        }
-      }
+    const int4 run = __ldg(&segment_chunk_row(m.q_segment_chunks, batch, int(p.T))[m0 / kSegmentChunk].run);
+    if (run.x <= m0 && run.y >= min(m0 + kTileRowsM, int(p.T))) {
+      rows.seg_begin = run.z;
+      rows.seg_end = run.w;
     }
   }
   return rows;

@@ -13,32 +13,42 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
+// The running max is kept stale until a block raises it by more than this (log2 units): the
+// probabilities are then exp2 of at most this, 256 (exact in bf16/fp16, and the row sums and O
+// stay far from overflow), and O needs no rescale on blocks that do not raise it, which after
+// the first blocks of a row are nearly all. The final normalisation and the LSE use the same
+// stale max, so the result is the softmax's, not an approximation of it (FlashAttention-4's
+// rescaling threshold). Rescaling O costs one FMUL per O accumulator per block: at H 128 as
+// many as the softmax's exp2s, at H 256 three times as many (S 40, O 128 floats per thread).
+constexpr float kMaxGrowthLog2 = 8.f;
+
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // this thread's partial sums; the quad reduces them once, in finalize
 
-  // Turns the scores (a (rows, cols) view) into unnormalised probabilities relative to the new
-  // running max and writes, per row, the factor the output accumulated so far must be scaled by.
-  // A row whose max is still -inf (every key so far masked) uses 0 as its max, so exp2 gives 0
-  // instead of NaN.
+  // Turns the scores (a (rows, cols) view) into unnormalised probabilities relative to the
+  // running max and writes, per row, the factor the output accumulated so far must be scaled by;
+  // returns whether any of them differs from 1 (the caller then rescales O). A row whose max is
+  // still -inf (every key so far masked) uses 0 as its max, so exp2 gives 0 instead of NaN.
   template <bool kFirst, typename Scores>
-  __forceinline__ __device__ void update(Scores& s, float scale_log2, float (&o_scale)[kRows]) {
+  __forceinline__ __device__ bool update(Scores& s, float scale_log2, float (&o_scale)[kRows]) {
     const float no_shift[kRows] = {};
-    update_impl<kFirst, false>(s, scale_log2, o_scale, no_shift);
+    return update_impl<kFirst, false>(s, scale_log2, o_scale, no_shift);
   }
   // The same for scores that stand for s + shift[r] (per row, this thread's elements of the
   // block): the general path's ALiBi moves a per-block term out of the per-element work
   // (mask.h, apply_policy). Two more instructions per row and block.
   template <bool kFirst, typename Scores>
-  __forceinline__ __device__ void update(Scores& s, float scale_log2, float (&o_scale)[kRows],
+  __forceinline__ __device__ bool update(Scores& s, float scale_log2, float (&o_scale)[kRows],
                                          const float (&shift)[kRows]) {
-    update_impl<kFirst, true>(s, scale_log2, o_scale, shift);
+    return update_impl<kFirst, true>(s, scale_log2, o_scale, shift);
   }
 
   template <bool kFirst, bool kShifted, typename Scores>
-  __forceinline__ __device__ void update_impl(Scores& s, float scale_log2, float (&o_scale)[kRows],
+  __forceinline__ __device__ bool update_impl(Scores& s, float scale_log2, float (&o_scale)[kRows],
                                               const float (&shift)[kRows]) {
+    bool rescale = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = kFirst || kShifted ? -INFINITY : row_max[r];
@@ -46,10 +56,18 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
       if constexpr (kShifted) m += shift[r];  // the shift differs between the threads of a row
       m = quad_max(m);
-      if constexpr (kShifted && !kFirst) m = fmaxf(m, row_max[r]);
-      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      o_scale[r] = kFirst ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_max[r] = m;
+      if constexpr (kFirst) {
+        o_scale[r] = 1.f;
+        row_max[r] = m;
+      } else {
+        // From a max of -inf any finite max grows (inf > threshold); -inf to -inf (NaN) does not.
+        const bool grow = (m - row_max[r]) * scale_log2 > kMaxGrowthLog2;
+        const float m_new_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        o_scale[r] = grow ? exp2f(row_max[r] * scale_log2 - m_new_scaled) : 1.f;
+        row_max[r] = grow ? m : row_max[r];
+        rescale |= grow;
+      }
+      const float m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
       const float offset = kShifted ? fmaf(shift[r], scale_log2, -m_scaled) : -m_scaled;
       float sum = 0.f;
       CUTE_UNROLL
@@ -59,6 +77,7 @@ struct OnlineSoftmax {
       }
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], o_scale[r], sum);
     }
+    return rescale;
   }
 
   // Final per-row output scale 1/sum and the natural-log LSE (−inf for a row that saw no key).

@@ -51,9 +51,11 @@ inline uint16_t from_float(float f, jfa::DType dt) {
 
 // The segment-id summaries of jax_flashattn/_segment_chunks.py (jfa::MaskParams::q_segment_chunks),
 // computed the same way on the host: per chunk of kSegmentChunk positions of `ids` ([B, len]),
-// (min id, max id, begin, end, run begin, run end, 0, 0) with begin / end the suffix min / prefix
-// max of the first / end position of `other` ([B, other_len]) in chunks whose id range overlaps,
-// and [run begin, run end) the maximal run of one-id chunks with the chunk's id around it.
+// (min id, max id, begin, end, run begin, run end, match begin, match end) with begin / end the
+// suffix min / prefix max of the first / end position of `other` ([B, other_len]) in chunks whose
+// id range overlaps, [run begin, run end) the maximal run of one-id chunks with the chunk's id
+// around it, and [match begin, match end) the other side's such run with the chunk's one id at
+// other chunk begin / 16 or the next one (else empty).
 inline std::vector<int32_t> segment_chunks(const std::vector<int32_t>& ids, int len,
                                            const std::vector<int32_t>& other, int other_len, int B) {
   constexpr int C = jfa::kSegmentChunk;
@@ -82,17 +84,33 @@ inline std::vector<int32_t> segment_chunks(const std::vector<int32_t>& ids, int 
         }
     for (int c = n - 2; c >= 0; --c) first[c] = std::min(first[c], first[c + 1]);
     for (int c = 1; c < n; ++c) end[c] = std::max(end[c], end[c - 1]);
-    auto same = [&](int o, int c) { return mine[o].first == mine[o].second && mine[o].first == mine[c].first; };
-    for (int c = 0; c < n; ++c) {
-      int run_begin = c * C, run_end = c * C;
-      if (mine[c].first == mine[c].second) {
-        int a = c, e = c;
-        while (a > 0 && same(a - 1, c)) --a;
-        while (e + 1 < n && same(e + 1, c)) ++e;
-        run_begin = a * C;
-        run_end = std::min((e + 1) * C, len);
+    auto runs = [&](const std::vector<std::pair<int32_t, int32_t>>& r, int length) {
+      std::vector<std::pair<int32_t, int32_t>> out_runs;
+      auto same = [&](int o, int c) { return r[o].first == r[o].second && r[o].first == r[c].first; };
+      for (int c = 0; c < int(r.size()); ++c) {
+        int run_begin = c * C, run_end = c * C;
+        if (r[c].first == r[c].second) {
+          int a = c, e = c;
+          while (a > 0 && same(a - 1, c)) --a;
+          while (e + 1 < int(r.size()) && same(e + 1, c)) ++e;
+          run_begin = a * C;
+          run_end = std::min((e + 1) * C, length);
+        }
+        out_runs.emplace_back(run_begin, run_end);
       }
-      out.insert(out.end(), {mine[c].first, mine[c].second, first[c], end[c], run_begin, run_end, 0, 0});
+      return out_runs;
+    };
+    const auto my_runs = runs(mine, len), their_runs = runs(theirs, other_len);
+    for (int c = 0; c < n; ++c) {
+      std::pair<int32_t, int32_t> match{0, 0};
+      if (mine[c].first == mine[c].second)
+        for (int k = first[c] / C; k <= first[c] / C + 1 && k < int(theirs.size()); ++k)
+          if (theirs[k].first == theirs[k].second && theirs[k].first == mine[c].first) {
+            match = their_runs[k];
+            break;
+          }
+      out.insert(out.end(), {mine[c].first, mine[c].second, first[c], end[c], my_runs[c].first, my_runs[c].second,
+                             match.first, match.second});
     }
   }
   return out;

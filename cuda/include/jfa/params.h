@@ -91,9 +91,10 @@ struct MaskParams {
   // Their summaries per chunk of kSegmentChunk positions, computed by the caller (jax_flashattn/
   // _segment_chunks.py defines them), so that the GPU kernels skip tiles that share no segment and
   // prove tiles inside one segment full. q_segment_chunks int32 [B, ceil(T / 16), 8]: per query
-  // chunk (min id, max id, begin, end, run begin, run end, 0, 0), where a block of chunks c0..c1
-  // may see keys [begin(c0), end(c1)) only (empty if begin >= end), and queries [run begin, run
-  // end) all hold the chunk's one id (empty if it holds several); kv_segment_chunks int32
+  // chunk (min id, max id, begin, end, run begin, run end, match begin, match end), where a block
+  // of chunks c0..c1 may see keys [begin(c0), end(c1)) only (empty if begin >= end), queries [run
+  // begin, run end) all hold the chunk's one id (empty if it holds several), and so do keys [match
+  // begin, match end) (a run of the key side's, maybe empty); kv_segment_chunks int32
   // [B, ceil(S / 16), 8]: the same per key chunk, sides swapped. Optional: null means no tile is
   // skipped or proven full by segments (the CPU kernels compute their own).
   const int32_t* q_segment_chunks = nullptr;

@@ -19,7 +19,7 @@ namespace jfa {
 // ids unknown (never uniform) and the range not narrowed.
 struct SegmentChunk {
   int4 ids_span;  // (min id, max id, begin, end)
-  int4 run;       // (run begin, run end, 0, 0)
+  int4 run;       // (run begin, run end, match begin, match end)
 };
 
 __forceinline__ __device__ const SegmentChunk* segment_chunk_row(const int32_t* chunks, int64_t b, int len) {
