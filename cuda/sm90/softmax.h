@@ -60,8 +60,9 @@ struct OnlineSoftmax {
         o_scale[r] = 1.f;
         row_max[r] = m;
       } else {
-        // From a max of -inf any finite max grows (inf > threshold); -inf to -inf (NaN) does not.
-        const bool grow = (m - row_max[r]) * scale_log2 > kMaxGrowthLog2;
+        // From a max of -inf any finite max grows (said outright: with a scale of 0 the difference
+        // is inf · 0 = NaN); -inf to -inf does not.
+        const bool grow = (row_max[r] == -INFINITY && m != -INFINITY) || (m - row_max[r]) * scale_log2 > kMaxGrowthLog2;
         const float m_new_scaled = m == -INFINITY ? 0.f : m * scale_log2;
         o_scale[r] = grow ? exp2f(row_max[r] * scale_log2 - m_new_scaled) : 1.f;
         row_max[r] = grow ? m : row_max[r];
