@@ -77,4 +77,10 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         # overflow past ~88 nats of range). q·k·scale = (-q)·k·|scale|; JAX differentiates the
         # negation.
         q, scale = -q, -scale
+    elif scale == 0:
+        # Every logit is 0 before bias and ALiBi. The kernels fold the scale into their exp2 (where a
+        # masked -inf times 0 is NaN) and the GPU forward divides additive terms by it, so they get
+        # what computes the same logits exactly: q = 0 and scale 1. The gradients of q and k are 0
+        # either way.
+        q, scale = jnp.zeros_like(q), 1.0
     return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)

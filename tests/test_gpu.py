@@ -214,15 +214,16 @@ def test_repeated_calls_are_deterministic_in_forward():
 # ---- Masks, bias, soft-capping, ALiBi, dropout (issue 5) ----------------------------------------
 # The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
 # bounds of util.BOUNDS). On sm90 the forward of head dims 64/128/256 is the Hopper kernel's
-# general path (dropout excepted); other head dims, dropout and the backward run on the portable
-# kernels' general path. test_mask_features_portable_forward_forced covers the portable forward
+# general path (with dropout its dropout kernel); other head dims and the backward run on the
+# portable kernels' general path. test_mask_features_portable_forward_forced covers the portable forward
 # at a Hopper head dim.
 
 from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
 from test_dropout import check_dropout_against_reference  # noqa: E402
 from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, check_combined,  # noqa: E402
-                        check_fully_masked_rows, check_low_precision_combination)
+                        check_fully_masked_rows, check_low_precision_combination, check_zero_scale,
+                        combo_keywords)
 from util import compare_with_reference  # noqa: E402
 
 # Kernel tiles are larger on the GPU (forward 128 x 64..128, backward 64..128 x 64..128): "big"
@@ -243,6 +244,12 @@ def test_mask_feature_on_gpu(feature, shape):
 @pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one", "big"])
 def test_mask_features_combined_on_gpu(combo, shape):
     check_combined(fresh_seed(), GPU_MASK_SHAPES[shape], combo, dtype=BF16)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_zero_scale_with_segments_on_gpu(H, alibi):
+    check_zero_scale(fresh_seed(), (2, 256, 300, 2, 1, H), alibi, dtype=BF16)
 
 
 @pytest.mark.parametrize("combo", [("bottom_right_window", "alibi", "kv_lengths"), ("causal_window", "softcap")],
@@ -312,11 +319,43 @@ def test_dropout_mask_is_the_numpy_philox_mask_on_gpu(rate):
     np.testing.assert_array_equal(kept, _dropout.keep_mask(rng, rate, (B, N, T, S)))
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.6])
+@pytest.mark.parametrize("H,S", [(128, 119), (256, 250)])
+def test_dropout_mask_of_the_hopper_forward(rate, H, S):
+    """The same bit-for-bit check where the forward can run on the Hopper kernel (head dim of q,
+    k and v alike: V is the identity padded to H columns). S = 250 spans four of its 64-key tiles
+    at H 256 and ends inside a 4-key Philox group."""
+    rng = jax.random.key(fresh_seed())
+    B, N, T = 2, 3, 200
+    q = jnp.zeros((B, T, N, H), BF16)
+    k = jnp.zeros((B, S, 1, H), BF16)
+    v = jnp.broadcast_to(jnp.eye(S, H, dtype=BF16)[None, :, None, :], (B, S, 1, H))
+    out = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=rng))(q, k, v)
+    kept = np.asarray(out[..., :S].astype(jnp.float32) > 0).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(kept, _dropout.keep_mask(rng, rate, (B, N, T, S)))
+    # The kept ones carry 1 / (S (1 - rate)): the keep scale is applied once.
+    np.testing.assert_allclose(np.asarray(out[..., :S].astype(jnp.float32)).max(), 1 / (S * (1 - rate)), rtol=1e-2)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, query_seq_lengths=[150, 9]),
                                 dict(local_window_size=(40, 40), softcap=3.0)],
                          ids=["plain", "causal+lengths", "window+softcap"])
-def test_dropout_forward_and_gradients_on_gpu(kw):
-    check_dropout_against_reference(fresh_seed(), (2, 170, 145, 4, 2, 64), kw, dtype=BF16)
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_dropout_forward_and_gradients_on_gpu(kw, H):
+    check_dropout_against_reference(fresh_seed(), (2, 170, 145, 4, 2, H), kw, dtype=BF16)
+
+
+@pytest.mark.parametrize("combo", [("causal", "segments", "alibi"), ("bottom_right_window", "kv_lengths")],
+                         ids="+".join)
+def test_dropout_with_masks_past_one_tile_on_gpu(combo):
+    """Dropout with other features on several query and key tiles of the Hopper forward (H 128)."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
+    rng, rate = jax.random.key(seed + 5), 0.2
+    kw = combo_keywords(combo, seed, B, T, S, N)
+    keep = _dropout.keep_mask(rng, rate, (B, N, T, S))
+    compare_with_reference(seed, GPU_MASK_SHAPES["big"], dict(kw, dropout_rate=rate, dropout_rng=rng),
+                           ref_kw=dict(kw, dropout_rate=rate, dropout_keep=keep), dtype=BF16)
 
 
 # deterministic=True: plain (every lower key tile adds to a dQ tile), causal with GQA, and the

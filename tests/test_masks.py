@@ -106,6 +106,25 @@ def check_fully_masked_rows(seed, shape, q_len0, kv_len1, dtype=jnp.float32):
     assert not np.any(np.asarray(grads[0][1], np.float32))  # no gradient reaches the empty element
 
 
+def check_zero_scale(seed, shape, alibi, dtype=jnp.float32):
+    """scale = 0: attention uniform over each row's visible keys (ALiBi aside), forward and
+    gradients (those of q and k exactly 0). Query ids alternate every 64 rows and keys change id
+    once, so every kernel tile mixes two segments and some rows find the first key block they
+    visit (the last) all the other segment's: a running max that starts at -inf."""
+    B, T, S, N, K, H = shape
+    kw = dict(scale=0.0, q_segment_ids=jnp.asarray(np.tile((np.arange(T) // 64) % 2, (B, 1)), jnp.int32),
+              kv_segment_ids=jnp.asarray(np.tile(np.arange(S) >= S // 2, (B, 1)), jnp.int32))
+    if alibi:
+        kw["alibi_slopes"] = jnp.linspace(0.05, 0.3, N, dtype=jnp.float32)
+    _, _, grads = compare_with_reference(seed, shape, kw, dtype=dtype)
+    assert not np.any(np.asarray(grads[0], np.float32)) and not np.any(np.asarray(grads[1], np.float32))
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_zero_scale_with_segments(alibi):
+    check_zero_scale(fresh_seed(), (2, 256, 300, 2, 1, 32), alibi)
+
+
 @pytest.mark.parametrize("combo", COMBOS, ids="+".join)
 @pytest.mark.parametrize("shape", ["odd", "tiles", "wide", "one"])
 def test_features_combined(combo, shape):

@@ -71,7 +71,6 @@ bool is_built(DType dtype, int head_dim) {
 bool can_implement(const AttentionParams& p) {
   constexpr int64_t kMax = INT32_MAX;
   if (!is_built(p.dtype, int(p.H)) || p.Hv != p.H) return false;
-  if (p.mask.has_dropout()) return false;  // dropout: the sm80 kernels (masks and modifiers run here)
   if (p.T < 1 || p.S < 1 || p.T > kMax || p.S > kMax || p.B < 1 || p.N < 1 || p.K < 1 || p.N % p.K != 0)
     return false;
   if ((p.T + 63) / 64 * p.N * p.B > kMax) return false;  // tile index fits an int

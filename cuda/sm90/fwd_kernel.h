@@ -25,7 +25,9 @@
 // per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
 // (block_needs: position bounds, segments outside the tile's one-segment key run, the boolean
 // mask); score modifiers run on every block. A tile that sees no key visits block 0 fully masked,
-// so it writes O = 0 and LSE = -inf the usual way.
+// so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
+// probabilities are dropped after the softmax statistics (dropout.h), the row sums and LSE kept
+// dropout-free, and O's final scale takes the 1 / (1 - rate).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -33,6 +35,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "dropout.h"
 #include "jfa/params.h"
 #include "kernel_traits.h"
 #include "mask.h"
@@ -147,6 +150,7 @@ template <typename Traits, bool kCausal, int kPolicies>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kPolicies != 0> const sched) {
   constexpr bool kGeneral = kPolicies != 0;
+  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
   static_assert(!(kCausal && kGeneral), "the general path takes causality from p.attn");
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
@@ -351,6 +355,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     Tensor tOrO_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
     static_assert(decltype(size<0>(tSrS_rc))::value == kRows);
+    // Dropout: this thread's share of the tile's stream; its columns are those of thread 0 shifted
+    // by a per-thread constant (as in apply_policy).
+    [[maybe_unused]] const DropoutTile drop =
+        kDropout ? dropout_tile(p.attn, t.batch, t.head, m0, cS_rc) : DropoutTile{};
+    [[maybe_unused]] const int drop_col_shift = get<1>(cS_rc(0, 0)) - get<1>(cS0_rc(0, 0));
+    auto dropout = [&](int n_block) {
+      if constexpr (kDropout) apply_dropout(tSrS_rc, drop, n_block * kBlockN + drop_col_shift, cS0_rc);
+    };
     OnlineSoftmax<kRows> softmax;
     float o_scale[kRows];
     // Whether O must be scaled by o_scale before the next P·V: only when a row's running max grew
@@ -382,6 +394,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if constexpr (kGeneral) {
       general_scores(tSrS_rc, n, needs);
       rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
+      dropout(n);
     } else {
       apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
       rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
@@ -407,11 +420,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if constexpr (kGeneral) {
         general_scores(tSrS_rc, n, needs);
         rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
+        dropout(n);
       } else {
         if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);
         rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
       }
-      if constexpr (kPinSoftmax) softmax_done(softmax_sink, softmax.row_sum[0] + softmax.row_sum[kRows - 1]);
+      if constexpr (kPinSoftmax) {
+        float last = softmax.row_sum[0] + softmax.row_sum[kRows - 1];
+        // With dropout, a probability it computes last joins in: its Philox calls stay before the wait too.
+        if constexpr (kDropout) last += tSrS_rc(kRows - 1, size<1>(tSrS_rc) - 1);
+        softmax_done(softmax_sink, last);
+      }
       warpgroup_wait<0>();  // P·V(n + 1) has finished: P may be overwritten
       pipeline_v.consumer_release(read_v);
       convert(tSrS, tOrP);
@@ -424,6 +443,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if constexpr (kGeneral) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) lse[r] -= alibi_lse_shift(p.attn, rows, r);
+    }
+    if constexpr (kDropout) {
+      const float keep_scale = 1.f / (1.f - p.attn.mask.dropout_rate);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) o_scale[r] *= keep_scale;
     }
     warpgroup_wait<0>();
     pipeline_v.consumer_release(read);

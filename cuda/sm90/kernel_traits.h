@@ -145,6 +145,15 @@ struct GeneralFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 192
 template <typename Element>
 struct GeneralFwdConfig<Element, 256> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
 
+// Dropout's tiles: the general ones with two consumers (its Philox calls need registers that H 64's
+// three consumers at 160 registers each do not have).
+template <typename Element, int kHeadDim>
+struct DropoutFwdConfig {
+  using Traits = typename GeneralFwdConfig<Element, kHeadDim>::Traits;
+};
+template <typename Element>
+struct DropoutFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
+
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
 template <typename Traits>
 struct SharedStorage {

@@ -1,7 +1,8 @@
 // Host side of the sm90 forward: TMA descriptors built from the call's strides (per call, on the
 // host: cuTensorMapEncodeTiled through CuTe's make_tma_copy), passed as __grid_constant__ kernel
 // parameters, and a persistent launch of one CTA per SM. Each instantiation file
-// (cuda/generate_instantiations.py) instantiates run_fwd for one (dtype, head dim).
+// (cuda/generate_instantiations.py) instantiates run_fwd for one (dtype, head dim); the dropout
+// kernel's files instantiate run_fwd_dropout (launch_dropout.h), which run_fwd only declares.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -79,6 +80,7 @@ cudaError_t launch_general(const AttentionParams& p, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Short = FwdTraits<Element, kHeadDim, 128, 128, 2>;
+  if (p.mask.has_dropout()) return run_fwd_dropout<Element, kHeadDim>(p, stream);
   // Masks and score modifiers: the general kernel, on tiles whose registers leave room for the
   // policy code (GeneralFwdConfig). H 64 takes 128 x 128 with segment ids (kernel_traits.h) and,
   // as plain causal does below (measured there, not on this path), for short sequences.

@@ -25,10 +25,12 @@ using namespace cute;
 // than its instruction count: its hot loop spans the code of every feature's per-element loops,
 // and instruction-cache misses ("no instruction") were 8-12 % of the stall samples (ncu, H200,
 // H 128, causal 16k), against 1 % on the plain path.
-enum : int { kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicyData = 8 };
+// Dropout (dropout.h) is a set of its own, kPolicyAll | kPolicyDropout: one kernel, on tiles of its
+// own (launch.h, DropoutFwdConfig), compiled in a translation unit of its own.
+enum : int { kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicyData = 8, kPolicyDropout = 16 };
 enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
 
-// The policies a call needs.
+// The policies a call needs besides dropout.
 inline int policies_needed(const MaskParams& m) {
   int set = kPolicyPositions;
   if (m.alibi_slopes != nullptr) set |= kPolicyAlibi;

@@ -12,6 +12,11 @@ namespace jfa::sm90 {
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
 
+// The dropout kernel (every mask and modifier too), instantiated in files of its own so that it
+// compiles beside the others; run_fwd calls it for calls with dropout.
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd_dropout(const AttentionParams& p, cudaStream_t stream);
+
 // Streaming multiprocessors of the current device (queried once per device).
 int num_sms();
 

@@ -10,7 +10,8 @@
 // ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal [mask [T]]   one timing (for ncu: its 4th launch is the first timed
-//                      one); mask: a BenchMask number (0 plain, 5 no-op window, 6 plain on T / 4), T: B = 16k / T
+//                      one); mask: a BenchMask number (0 plain, 5 no-op window, 6 plain on T / 4,
+//                      7 dropout 0.1), T: B = 16k / T
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,6 +31,7 @@
 #include "check_util.h"
 #include "jfa/mask.h"
 #include "jfa/params.h"
+#include "jfa/philox.h"
 #include "jfa/score_mod.h"
 #ifndef JFA_CHECK_NO_SM80
 #include "sm80/api.h"
@@ -42,7 +44,7 @@ using jfa::DType;
 // Masking features of a case (the general path); 0 = the plain/causal kernels.
 enum Feature : int {
   kWindow = 1, kBottomRight = 2, kLengths = 4, kSegments = 8, kSoftcap = 16, kAlibi = 32, kBias = 64,
-  kMask = 128
+  kMask = 128, kDropout = 256
 };
 
 struct Config {
@@ -59,6 +61,7 @@ struct MaskOperands {
   std::vector<int32_t> q_len, kv_len, q_seg, kv_seg, q_chunks, kv_chunks;  // chunks: segment summaries
   std::vector<float> slopes, bias;
   std::vector<uint8_t> mask;
+  std::vector<uint32_t> seeds;  // dropout: (k0, k1, batch) per batch element
   jfa::MaskParams host, device;
   std::vector<void*> buffers;
 
@@ -117,16 +120,22 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
     for (int64_t i = 0; i < int64_t(c.B) * c.T * c.S; ++i) m.mask.push_back(rng() % 5 != 0);
     h.mask_strides = jfa::Strides4{int64_t(c.T) * c.S, 0, c.S, 1};
   }
+  if (c.features & kDropout) {
+    h.dropout_rate = 0.3f;
+    for (int b = 0; b < c.B; ++b) m.seeds.insert(m.seeds.end(), {uint32_t(rng()), uint32_t(rng()), uint32_t(b + 5)});
+  }
   auto ptr = [](auto& v) { return v.empty() ? nullptr : v.data(); };
   h.q_lengths = ptr(m.q_len); h.kv_lengths = ptr(m.kv_len);
   h.q_segment_ids = ptr(m.q_seg); h.kv_segment_ids = ptr(m.kv_seg);
   h.alibi_slopes = ptr(m.slopes); h.bias = ptr(m.bias); h.mask = ptr(m.mask);
+  h.dropout_seeds = ptr(m.seeds);
   m.device = h;
   m.device.q_lengths = m.upload(m.q_len); m.device.kv_lengths = m.upload(m.kv_len);
   m.device.q_segment_ids = m.upload(m.q_seg); m.device.kv_segment_ids = m.upload(m.kv_seg);
   m.device.q_segment_chunks = m.upload(m.q_chunks); m.device.kv_segment_chunks = m.upload(m.kv_chunks);
   m.device.alibi_slopes = m.upload(m.slopes); m.device.bias = m.upload(m.bias);
   m.device.mask = m.upload(m.mask);
+  m.device.dropout_seeds = m.upload(m.seeds);
 }
 
 // Host copy of a [B, rows, heads, H] tensor with row stride heads*H + pad, plus `guard` rows
@@ -250,6 +259,14 @@ static void run_case(const Config& c, std::mt19937& rng) {
       double l = 0;
       for (int j = 0; j < smax; ++j) l += (s[j] = std::exp(s[j] - m));
       ref_lse[row] = m + std::log(l);
+      if (ph.mask.has_dropout()) {  // the row sum and LSE stay dropout-free
+        const uint32_t* seed = ph.mask.dropout_seeds + 3 * b;
+        const uint32_t threshold = jfa::dropout_threshold(ph.mask.dropout_rate);
+        for (int j = 0; j < smax; ++j) {
+          const bool dropped = jfa::dropout_word(seed[0], seed[1], seed[2], n, t, j) < threshold;
+          s[j] = dropped ? 0.0 : s[j] / (1.0 - ph.mask.dropout_rate);
+        }
+      }
       for (int d = 0; d < c.H; ++d) {
         double acc = 0;
         for (int j = 0; j < smax; ++j) acc += s[j] * vf[v.idx(b, j, kh, d)];
@@ -312,7 +329,7 @@ static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 // kQuarterCausal is no mask: plain causal on sequences of T / 4 (B x 16), the same useful FLOPs in
 // tiles of the same trip counts as window(2048, 0) and 4 segments of T / 4 at T = 16k, whose cost
 // beside plain causal at T is then the masks' alone, not that of shorter rows.
-enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal };
+enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout };
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
     case BenchMask::kNone: return "plain";
@@ -322,6 +339,7 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kSoftcap: return "softcap";
     case BenchMask::kWideWindow: return "window(T,0)";  // hides nothing: the general kernel's own cost
     case BenchMask::kQuarterCausal: return "plain(T/4)";
+    case BenchMask::kDropout: return "dropout(0.1)";
   }
   return "?";
 }
@@ -348,6 +366,7 @@ struct BenchProblem {
     if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
     if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
     if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
+    if (bm == BenchMask::kDropout) masks.host.dropout_rate = 0.1f;
     if (bm == BenchMask::kAlibi)
       for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
     // Useful FLOPs: 4·H per visible (query, key) pair, pairs counted with the shared policies (the
@@ -382,6 +401,10 @@ struct BenchProblem {
     p.mask.alibi_slopes = masks.upload(masks.slopes);
     p.mask.q_segment_ids = masks.upload(masks.q_seg);
     p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
+    if (bm == BenchMask::kDropout) {
+      for (int b = 0; b < B; ++b) masks.seeds.insert(masks.seeds.end(), {0x1234u, 0x5678u, uint32_t(b)});
+      p.mask.dropout_seeds = masks.upload(masks.seeds);
+    }
     if (!masks.q_seg.empty()) {
       masks.q_chunks = segment_chunks(masks.q_seg, T, masks.kv_seg, T, B);
       p.mask.q_segment_chunks = p.mask.kv_segment_chunks = masks.upload(masks.q_chunks);  // same ids both sides
@@ -468,7 +491,7 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
   for (BenchMask m : {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kWideWindow, BenchMask::kWindow,
-                      BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap})
+                      BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout})
     probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
@@ -579,6 +602,7 @@ int main(int argc, char** argv) {
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
       cases.push_back({1, 1600, 2100, 2, 1, H, true, BF, 0, kWindow | kAlibi});  // H 64's 192-row tiles
+      cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
   } else if (!bench_only) {
     const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}, {384, 384}};
@@ -608,6 +632,11 @@ int main(int argc, char** argv) {
       // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
       cases.push_back({1, 1700, 2100, 4, 2, H, true, BF, 0, kWindow | kAlibi | kLengths | kSoftcap});
       cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 0, kBias | kMask | kBottomRight | kWindow});
+      // Dropout (its own kernel): alone, with the positions, with everything.
+      cases.push_back({2, 255, 300, 4, 2, H, false, BF, 0, kDropout});
+      cases.push_back({2, 300, 255, 4, 2, H, true, FP, 8, kDropout | kLengths | kBottomRight});
+      cases.push_back({1, 1100, 1300, 4, 2, H, true, BF, 0, kDropout | kAlibi | kSegments | kWindow});
+      cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll | kDropout});
     }
   }
   for (auto& c : cases) run_case(c, rng);
