@@ -81,6 +81,6 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         # Every logit is 0 before bias and ALiBi. The kernels fold the scale into their exp2 (where a
         # masked -inf times 0 is NaN) and the GPU forward divides additive terms by it, so they get
         # what computes the same logits exactly: q = 0 and scale 1. The gradients of q and k are 0
-        # either way.
+        # either way. (Only an inf or NaN in q differs: 0 · inf would be NaN, 0-valued q gives 0.)
         q, scale = jnp.zeros_like(q), 1.0
     return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)

@@ -8,8 +8,8 @@
 // alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
 // ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
 // accumulated by the kernels' atomics. On
-// sm90 the Hopper forward takes every mask feature except dropout (sm90::can_implement declines
-// it: the portable kernels run it). deterministic=True orders the backward's dQ adds (a semaphore
+// sm90 the Hopper forward takes every mask feature and dropout (head dims 64, 128, 256; the backward
+// and other head dims run on the portable kernels). deterministic=True orders the backward's dQ adds (a semaphore
 // workspace per dQ tile) and needs a bias without broadcast axes.
 #include <cuda_runtime_api.h>
 

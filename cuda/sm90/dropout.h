@@ -2,8 +2,8 @@
 // path, jfa::dropout_word's (one Philox4x32-10 call per query and 4 neighbouring keys), regenerated
 // from the key here as it is in the backward and on the CPU, never stored.
 //
-// The Philox calls are the cost (about 60 instructions each, against the softmax's 5 per score), so
-// none is made twice. In a wgmma accumulator the 4 keys of a Philox call sit with two threads of a
+// The Philox calls are the cost (about 40 instructions each, 20 of them 64-bit multiplies, on the
+// integer multiply pipe: 10 per score against the softmax's ~5), so none is made twice. In a wgmma accumulator the 4 keys of a Philox call sit with two threads of a
 // quad (lanes 2q and 2q + 1 hold keys 4g, 4g + 1 and 4g + 2, 4g + 3 of key group g, in each of
 // their two rows r0 and r0 + 8): the even lane draws the words of row r0, the odd lane those of
 // r0 + 8, and they swap the two words the other holds keys for. One call and two shuffles per 4

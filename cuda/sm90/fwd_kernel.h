@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
       if constexpr (kPinSoftmax) {
         float last = softmax.row_sum[0] + softmax.row_sum[kRows - 1];
-        // With dropout, a probability it computes last joins in: its Philox calls stay before the wait too.
+        // With dropout, a probability it computes last joins in: that ties the last Philox call to
+        // the store (the others are not tied to it; timing, not results, depends on where they go).
         if constexpr (kDropout) last += tSrS_rc(kRows - 1, size<1>(tSrS_rc) - 1);
         softmax_done(softmax_sink, last);
       }
