@@ -14,7 +14,8 @@ timed region) on a random cotangent; fwdbwd times jit(value_and_grad) of sum(out
 FLOPs: forward 4*B*T*S*N*H, halved when causal; bwd 2.5x, fwdbwd 3.5x the forward.
 Impls jax_flashattn (the default dispatch: the Hopper forward on sm90) and jax_flashattn_sm80 (the
 portable kernels: JFA_FORCE_SM80=1 is set while that impl is compiled and timed; the extension reads
-it at each dispatch, and each impl has its own jitted functions).
+it at each dispatch, and each impl has its own jitted functions); jax_flashattn_dropout is the default
+dispatch with dropout_rate=0.1 (no peer has dropout through JAX; FLOPs counted as without it).
 Writes benchmarks/results/<date>-<device>.csv (columns of DESIGN.md) and a PNG next to it.
 """
 from __future__ import annotations
@@ -43,13 +44,15 @@ def attention_impls(names):
     """name -> attention(q, k, v, is_causal) for the implementations that import here."""
     impls = {}
     for name in names:
-        if name in ("jax_flashattn", "jax_flashattn_sm80"):
+        if name in ("jax_flashattn", "jax_flashattn_sm80", "jax_flashattn_dropout"):
             try:
                 import jax_flashattn as jfa
             except ImportError as e:
                 print(f"skipping {name}: {e}")
                 continue
-            impls[name] = lambda q, k, v, c, jfa=jfa: jfa.flash_attention(q, k, v, is_causal=c)
+            # _dropout: rate 0.1 (the peers have no dropout through JAX); the same useful FLOPs.
+            drop = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)) if name.endswith("_dropout") else {}
+            impls[name] = lambda q, k, v, c, jfa=jfa, drop=drop: jfa.flash_attention(q, k, v, is_causal=c, **drop)
         elif name in ("cudnn", "xla"):
             impls[name] = lambda q, k, v, c, impl=name: jax.nn.dot_product_attention(
                 q, k, v, is_causal=c, implementation=impl)

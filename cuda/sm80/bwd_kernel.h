@@ -405,6 +405,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
             segments_split(p, segment_ids(p.mask.q_segment_chunks, batch, T, cur.m0, kBlockM), kv_seg);
         constexpr bool dropout = kDropout;
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};
+        [[maybe_unused]] KeepBits<kNRows, decltype(size<1>(scores))::value> keep;
+        if constexpr (dropout) keep = dropout_keep_bits(drop, int(cur.head), cur.m0, n0, tScS_rc);
         const bool slopes_grad = p.mask.dslopes != nullptr;
         float slope_dot = 0.f;  // sum of dS·|pos - j| over this thread's elements
         CUTE_UNROLL
@@ -418,13 +420,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ni += 2) {
             const int col = n0 + get<1>(tScS_rc(mi, ni));  // col + 1 is element ni + 1
-            const float2 z = dropout ? dropout_pair(drop, int(cur.head), row, col) : make_float2(1.f, 1.f);
             CUTE_UNROLL
             for (int e = 0; e < 2; ++e) {
               float g;
               const float x = row_logit(p, rp, col + e, scores(mi, ni + e), partial, &g);
               const float prob = exp2f(x - lse_log2[mi]);  // 0 if hidden or the row is empty
-              const float ze = e == 0 ? z.x : z.y;
+              const float ze = !dropout ? 1.f : keep.kept(mi, ni + e) ? drop.keep_scale : 0.f;
               // d(logit) = P∘(dP·z − D): dropout scales dP, and dV sees the dropped P·z.
               const float ds = prob * (dS(mi, ni + e) * ze - dsum[mi]);
               if (dbias_row != nullptr && ds != 0.f)  // d(bias) = d(logit), before the softcap derivative

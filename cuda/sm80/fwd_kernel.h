@@ -167,14 +167,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
       // CPU: P·keep/(1 - rate) enters P·V. Columns (ni, ni + 1), ni even, are adjacent keys.
       if constexpr (kDropout) {
         const DropoutStream drop = dropout_stream(p, batch);
+        const auto keep = dropout_keep_bits(drop, head, m0, n0, tScS_rc);
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(scores); ++mi) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(scores); ni += 2) {
-            const float2 z = dropout_pair(drop, head, m0 + get<0>(tScS_rc(mi, ni)), n0 + get<1>(tScS_rc(mi, ni)));
-            scores(mi, ni) *= z.x;
-            scores(mi, ni + 1) *= z.y;
-          }
+          for (int ni = 0; ni < size<1>(scores); ++ni) scores(mi, ni) *= keep.kept(mi, ni) ? drop.keep_scale : 0.f;
         }
       }
     }

@@ -61,12 +61,41 @@ __forceinline__ __device__ DropoutStream dropout_stream(const AttentionParams& p
                        1.f / (1.f - p.mask.dropout_rate)};
 }
 
-// Multipliers (0 if dropped, else 1 / (1 - rate)) of keys j and j + 1 (j even) of query i, head n:
-// one Philox call covers both (the counter is key / 4), the same words jfa::dropout_word gives.
-__forceinline__ __device__ float2 dropout_pair(const DropoutStream& d, int n, int i, int j) {
-  const Philox4 r = philox4x32_10(Philox4{{uint32_t(j) >> 2, uint32_t(i), uint32_t(n), d.batch}}, d.k0, d.k1);
-  const uint32_t w0 = r.x[uint32_t(j) & 3u], w1 = r.x[uint32_t(j + 1) & 3u];
-  return make_float2(w0 < d.threshold ? 0.f : d.keep_scale, w1 < d.threshold ? 0.f : d.keep_scale);
+// Which of a thread's elements of a tile dropout keeps, one bit each (bit mi * kCols + ni of the
+// (row, col) view `coords`, tile origin (m0, n0)): the words of jfa::dropout_word, made by lane
+// pairs (jfa::dropout_words_2x2: one Philox call and two shuffles per 4 elements; a call per key
+// pair before). Rows mi, mi + 1 (mi even) are an mma fragment's rows r and r + 8, columns ni,
+// ni + 1 (ni even) its neighbouring keys. Every lane of the warp calls it together.
+template <int kRows, int kCols>
+struct KeepBits {
+  uint32_t words[(kRows * kCols + 31) / 32];
+  __forceinline__ __device__ bool kept(int mi, int ni) const {
+    const int i = mi * kCols + ni;
+    return (words[i / 32] >> (i % 32)) & 1u;
+  }
+};
+
+template <typename Coords>
+__forceinline__ __device__ auto dropout_keep_bits(const DropoutStream& d, int n, int m0, int n0, Coords const& coords) {
+  constexpr int kRows = decltype(size<0>(coords))::value, kCols = decltype(size<1>(coords))::value;
+  static_assert(kRows % 2 == 0 && kCols % 2 == 0);
+  KeepBits<kRows, kCols> keep;
+  CUTE_UNROLL
+  for (int i = 0; i < (kRows * kCols + 31) / 32; ++i) keep.words[i] = 0u;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; mi += 2) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ni += 2) {
+      const int key = n0 + get<1>(coords(mi, ni));
+      const int query = m0 + get<0>(coords((key & 2) ? mi + 1 : mi, ni));  // the row this lane draws
+      const uint4 w = dropout_words_2x2(d.k0, d.k1, d.batch, uint32_t(n), uint32_t(query), uint32_t(key));
+      const uint32_t word[4] = {w.x, w.y, w.z, w.w};
+      const int at[4] = {mi * kCols + ni, mi * kCols + ni + 1, (mi + 1) * kCols + ni, (mi + 1) * kCols + ni + 1};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) keep.words[at[e] / 32] |= uint32_t(word[e] >= d.threshold) << (at[e] % 32);
+    }
+  }
+  return keep;
 }
 
 }  // namespace jfa::sm80

@@ -61,4 +61,24 @@ JFA_HOST_DEVICE uint32_t dropout_word(uint32_t k0, uint32_t k1, uint32_t batch, 
   return r.x[key & 3u];
 }
 
+#ifdef __CUDACC__
+// The dropout words of the 2 x 2 elements a thread holds in an mma accumulator fragment (mma.sync
+// m16n8 and wgmma alike: rows r and r + 8, keys j and j + 1 with j even), made with the other lane
+// of its pair (lane ^ 1: the same rows, keys j ^ 2 and (j ^ 2) + 1, the same Philox call's other
+// two words). The lane whose keys are the group's first two (j % 4 == 0) draws its first row r,
+// the other its second row r + 8: `query` is that row. Each hands the other the two words it holds
+// keys for: one Philox call and two shuffles per 4 elements, where a call per row and key pair
+// would make two. Every lane of the warp calls it together (the shuffles). Returns the words of
+// (r, j), (r, j + 1), (r + 8, j), (r + 8, j + 1): those of jfa::dropout_word.
+__device__ __forceinline__ uint4 dropout_words_2x2(uint32_t k0, uint32_t k1, uint32_t batch, uint32_t head,
+                                                   uint32_t query, uint32_t key) {
+  const bool upper = (key & 2u) != 0;  // keys 4g + 2, 4g + 3 of group g: words 2 and 3
+  const Philox4 x = philox4x32_10(Philox4{{key >> 2, query, head, batch}}, k0, k1);
+  const uint32_t own0 = upper ? x.x[2] : x.x[0], own1 = upper ? x.x[3] : x.x[1];
+  const uint32_t give0 = upper ? x.x[0] : x.x[2], give1 = upper ? x.x[1] : x.x[3];
+  const uint32_t got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+  return upper ? make_uint4(got0, got1, own0, own1) : make_uint4(own0, own1, got0, got1);
+}
+#endif
+
 }  // namespace jfa
