@@ -15,7 +15,9 @@ FLOPs: forward 4*B*T*S*N*H, halved when causal; bwd 2.5x, fwdbwd 3.5x the forwar
 Impls jax_flashattn (the default dispatch: the Hopper forward on sm90) and jax_flashattn_sm80 (the
 portable kernels: JFA_FORCE_SM80=1 is set while that impl is compiled and timed; the extension reads
 it at each dispatch, and each impl has its own jitted functions); jax_flashattn_dropout is the default
-dispatch with dropout_rate=0.1 (no peer has dropout through JAX; FLOPs counted as without it).
+dispatch with dropout_rate=0.1 (no peer has dropout through JAX; FLOPs counted as without it), and
+jax_flashattn_lengths passes key lengths equal to S, which hide nothing but take the general (masked)
+kernels: their own cost.
 Writes benchmarks/results/<date>-<device>.csv (columns of DESIGN.md) and a PNG next to it.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def attention_impls(names):
     """name -> attention(q, k, v, is_causal) for the implementations that import here."""
     impls = {}
     for name in names:
-        if name in ("jax_flashattn", "jax_flashattn_sm80", "jax_flashattn_dropout"):
+        if name in ("jax_flashattn", "jax_flashattn_sm80", "jax_flashattn_dropout", "jax_flashattn_lengths"):
             try:
                 import jax_flashattn as jfa
             except ImportError as e:
@@ -52,7 +54,11 @@ def attention_impls(names):
                 continue
             # _dropout: rate 0.1 (the peers have no dropout through JAX); the same useful FLOPs.
             drop = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)) if name.endswith("_dropout") else {}
-            impls[name] = lambda q, k, v, c, jfa=jfa, drop=drop: jfa.flash_attention(q, k, v, is_causal=c, **drop)
+            # _lengths: key lengths of S (they hide nothing): the general (masked) kernels' own cost.
+            lengths = name.endswith("_lengths")
+            impls[name] = lambda q, k, v, c, jfa=jfa, drop=drop, lengths=lengths: jfa.flash_attention(
+                q, k, v, is_causal=c, **drop, **(dict(key_value_seq_lengths=jnp.full(
+                    (q.shape[0],), k.shape[1], jnp.int32)) if lengths else {}))
         elif name in ("cudnn", "xla"):
             impls[name] = lambda q, k, v, c, impl=name: jax.nn.dot_product_attention(
                 q, k, v, is_causal=c, implementation=impl)

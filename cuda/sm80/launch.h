@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "bwd_kernel.h"
 #include "fwd_kernel.h"
 #include "jfa/params.h"
@@ -64,8 +66,9 @@ cudaError_t launch_fwd_variant(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim, Variant kVariant>
 cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
   using F = VariantFlags<kVariant>;
+  using Traits = typename std::conditional_t<F::kGeneral, GeneralBwdConfig<Element, kHeadDim>,
+                                             BwdConfig<Element, kHeadDim>>::Traits;
   const int64_t rows = p.B * p.T * p.N;
 
   // dq_accum is accumulated with atomics: start from zero (padding rows included).
