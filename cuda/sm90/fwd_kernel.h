@@ -28,6 +28,22 @@
 // so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
 // probabilities are dropped after the softmax statistics (dropout.h), the row sums and LSE kept
 // dropout-free, and O's final scale takes the 1 / (1 - rate).
+//
+// ALiBi on the tensor cores (kAlibiPrefix: the positions-and-ALiBi set's kernel, mask.h). Q·Kᵀ
+// takes one more k block of 16 in front of the head dim's: key j's holds (c, c, c, 0, ...) with
+// c = j − n0 its column in the block (the same for every block: written once per CTA), and each
+// query row of a tile holds (a1, a2, a3, 0, ...), the slope in the units of the raw scores
+// (slope / scale) split into three 16-bit pieces. The products are exact and wgmma sums them in
+// float, so the scores come out with slope·(j − n0) added to float precision. On a block where
+// every key a thread's rows see lies left of them (every block of a causal row) ALiBi is then a
+// per-block shift, and the block skips the policy code as blocks without tests do (general_scores,
+// block_needs' kNeedsAlibiAbs). The cost: 1/16 more Q·Kᵀ work at H 128. Measured (H200, bf16,
+// causal 16k, sm90_check --masks): 82 / 82 / 82 % of plain causal before, 88 / 85 / 86 % after at
+// H 64 / 128 / 256. The prefix alone, with the policy code still run on every block, gained
+// nothing (ncu, H 128: 50M fewer instructions, the same cycles): what held ALiBi back was that
+// code's instruction fetches and branches (ncu "no instruction" and "branch resolving" stall samples
+// 3.7x and 2.1x the no-op window's; with the skip, 1.25x and 0.9x). The slopes' values do not
+// matter (slopes of 0 measured the same).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -97,7 +113,7 @@ struct KernelParams {
 // consumers there, both waited for the later one and then ran their epilogues side by side, the
 // tensor cores idle; it weighs most on tiles of few key blocks: causal 1k measured 3-4 % faster
 // without it (H 64 and H 128, H200, benchmarks/ab_sm90.sh --lengths), 16k level.
-enum : int { kBarSchedFirst = 1, kBarTileFirst = 4, kBarEpilogueFirst = 7 };
+enum : int { kBarSchedFirst = 1, kBarTileFirst = 4, kBarEpilogueFirst = 7, kBarAlibiPrefixFirst = 10 };
 
 __forceinline__ __device__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -151,6 +167,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p, TileScheduler<kCausal || kPolicies != 0> const sched) {
   constexpr bool kGeneral = kPolicies != 0;
   constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
+  constexpr bool kAlibiPrefix = alibi_on_tensor_cores(kPolicies);
   static_assert(!(kCausal && kGeneral), "the general path takes causality from p.attn");
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
@@ -162,7 +179,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  auto& ss = *reinterpret_cast<SharedStorage<Traits>*>(smem_raw);
+  auto& ss = *reinterpret_cast<SharedStorage<Traits, kAlibiPrefix>*>(smem_raw);
   const int warp_group = cutlass::canonical_warp_group_idx();
 
   if (threadIdx.x == 0) {
@@ -177,6 +194,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = kNumMmaThreads;
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  // ALiBi's k prefix operands: K's side is every block's, (c, c, c, 0, ...) for column c.
+  constexpr int kPrefixK = Traits::kPrefixK;
+  Element* const q_prefix = [&] {
+    if constexpr (kAlibiPrefix) return ss.prefix.q.data(); else return ss.q.data();  // unused then
+  }();
+  Tensor sQPrefix = make_tensor(make_smem_ptr(q_prefix), typename Traits::SmemLayoutQPrefix{});
+  if constexpr (kAlibiPrefix) {
+    Tensor sKPrefix = make_tensor(make_smem_ptr(ss.prefix.k.data()), typename Traits::SmemLayoutKPrefix{});
+    for (int i = threadIdx.x; i < kBlockN * kPrefixK; i += Traits::kNumThreads)
+      sKPrefix(i / kPrefixK, i % kPrefixK) = Element(i % kPrefixK < 3 ? float(i / kPrefixK) : 0.f);
+    cutlass::arch::fence_view_async_shared();  // visible to wgmma (the async proxy) after the barrier
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -290,6 +319,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
+  Tensor tSrQPrefix = thr_qk.partition_fragment_A(sQPrefix);
+  Element* const k_prefix = [&] {
+    if constexpr (kAlibiPrefix) return ss.prefix.k.data(); else return ss.k.data();  // unused then
+  }();
+  Tensor tSrKPrefix =
+      thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(k_prefix), typename Traits::SmemLayoutKPrefix{}));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   // Thread 0's coordinates: compile-time constants (see apply_policy).
@@ -334,20 +369,53 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // against plain causal's 540M, 565M with the skip.
     constexpr int kScoreMods = kPolicyAlibi | kPolicyScore;
     const bool score_mods = (kPolicies & kScoreMods) && p.attn.mask.has_score_mod();
+    // ALiBi's slope in the units of the raw scores (apply_policy's), for the tensor cores' prefix.
+    [[maybe_unused]] const float prefix_slope = rows.slope * (kLog2eF / p.attn.scale_log2);
     // The per-row shift of the block's scores (apply_policy: ALiBi), which the softmax adds.
     float shift[kRows];
-    auto general_scores = [&](auto& scores_rc, int n_block, int needs) {
+    // With ALiBi's term in the scores (the tensor cores' prefix) ALiBi is no score modifier: a block
+    // whose elements need no test (kNeedsAlibiAbs among them) takes its shift alone.
+    auto general_scores = [&](auto& scores_rc, int n_block, int needs, bool alibi_in_scores) {
       const int n0 = n_block * kBlockN;
-      if (score_mods) {
+      if (score_mods && !alibi_in_scores) {
         apply_policy<kPolicies>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs, shift);
+      } else if (needs != 0) {
+        if (alibi_in_scores)
+          apply_policy<kPolicies>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs,
+                                  shift, true);
+        else
+          apply_policy<kPolicies & ~kScoreMods>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN,
+                                                needs, shift);
       } else {
-        if (needs != 0)
-          apply_policy<kPolicies & ~kScoreMods>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs, shift);
+        const float uniform = alibi_in_scores && score_mods ? alibi_shift(prefix_slope, rows, n0) : 0.f;
         CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) shift[r] = 0.f;
+        for (int r = 0; r < kRows; ++r) shift[r] = uniform;
       }
     };
     const float logit_scale = kGeneral ? policy_logit_scale(p.attn) : p.scale_log2;
+    // ALiBi's k prefix for this tile: the slope in raw-score units, in three 16-bit pieces. fp16
+    // cannot hold a slope / scale past its range: such a tile adds the term per element instead.
+    constexpr bool kPrefixHoldsAnySlope = !is_same_v<Element, cutlass::half_t>;  // bf16 has float's range
+    const bool alibi_prefix = kAlibiPrefix && p.attn.mask.alibi_slopes != nullptr &&
+                              (kPrefixHoldsAnySlope || fabsf(prefix_slope) <= 65504.f);
+    // What apply_policy's ALiBi code (which runs only with slopes) is told of the loop's scores: a
+    // compile-time true where every slope takes the prefix, so that its per-element path is not
+    // compiled into the loop.
+    const bool alibi_in_scores = kAlibiPrefix && (kPrefixHoldsAnySlope || alibi_prefix);
+    // Each warpgroup writes its own 64 rows, once its GEMMs of the previous tile have finished (they
+    // have: its tile ends with a wait for all of them).
+    auto write_q_prefix = [&] {
+      const Element a1(prefix_slope);
+      const float rest = prefix_slope - float(a1);
+      const Element a2(rest);
+      const Element a3(rest - float(a2));
+      const int k = wg_tid % kPrefixK;
+      const Element value = k == 0 ? a1 : k == 1 ? a2 : k == 2 ? a3 : Element(0.f);
+      CUTE_UNROLL
+      for (int row = wg_tid / kPrefixK; row < 64; row += 128 / kPrefixK) sQPrefix(mma_wg * 64 + row, k) = value;
+      cutlass::arch::fence_view_async_shared();
+      bar_sync(kBarAlibiPrefixFirst + mma_wg, 128);
+    };
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
@@ -383,16 +451,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     };
 
     // First (last-in-memory) key block: the only one that can cross S; causal diagonal too. Its
-    // tests are found under its GEMM, as in the loop (they wait for tile_rows' loads).
+    // tests are found under its GEMM, as in the loop (they wait for tile_rows' loads). It runs
+    // without ALiBi's prefix, whose Q side is written under this GEMM.
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     int needs = tests_of(n);
+    if (alibi_prefix) write_q_prefix();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(read);
     release_q_after(n);
     if constexpr (kGeneral) {
-      general_scores(tSrS_rc, n, needs);
+      general_scores(tSrS_rc, n, needs, false);
       rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
       dropout(n);
     } else {
@@ -408,7 +478,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       ++read;
       pipeline_k.consumer_wait(read);
       sched_sync();
-      gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      // (A lambda for this issue measured spills: ptxas then kept S in local memory.)
+      if (kAlibiPrefix && alibi_prefix)
+        gemm_with_prefix(mma_qk, tSrQPrefix, tSrKPrefix, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      else
+        gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       rescale_o_if_needed();
       pipeline_v.consumer_wait(read_v);
       gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -418,7 +492,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       pipeline_k.consumer_release(read);
       release_q_after(n);
       if constexpr (kGeneral) {
-        general_scores(tSrS_rc, n, needs);
+        general_scores(tSrS_rc, n, needs, alibi_in_scores);
         rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
         dropout(n);
       } else {

@@ -92,6 +92,12 @@ struct FwdTraits {
   using SmemLayoutOBox = decltype(tile_to_shape(SmemAtom{}, Shape<_64, _64>{}));
   static constexpr int o_box_offset(int w, int c) { return w * 64 * 64 + c * kBlockM * 64; }
   static_assert(cosize_v<SmemLayoutOBox> == 64 * 64 && (kBlockM * 64) % 1024 == 0);
+  // ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): one wgmma k block of 16 per row and key,
+  // in the 32-byte swizzled K-major atom (8 rows x 16 elements).
+  static constexpr int kPrefixK = 16;
+  using SmemAtomPrefix = GMMA::Layout_K_SW32_Atom<Element>;
+  using SmemLayoutQPrefix = decltype(tile_to_shape(SmemAtomPrefix{}, Shape<Int<kBlockM>, Int<kPrefixK>>{}));
+  using SmemLayoutKPrefix = decltype(tile_to_shape(SmemAtomPrefix{}, Shape<Int<kBlockN>, Int<kPrefixK>>{}));
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
@@ -154,8 +160,21 @@ struct DropoutFwdConfig {
 template <typename Element>
 struct DropoutFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
 
-// Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
+// ALiBi's k prefix operands (fwd_kernel.h): none, or one per row of the tile and one per key.
+template <typename Traits, bool kAlibiPrefix>
+struct AlibiPrefixStorage {};
 template <typename Traits>
+struct AlibiPrefixStorage<Traits, true> {
+  using Element = typename Traits::Element;
+  // The 32-byte swizzle repeats every 256 bytes (8 rows of 32), the alignment wgmma needs here.
+  alignas(256) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQPrefix>> q;
+  alignas(256) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKPrefix>> k;
+};
+
+// Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
+// kAlibiPrefix adds ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h): 8 KB at 128 x 128, which the plain
+// tiles could not all spare (H 256's 128 x 80 uses 224 of the 227 KB).
+template <typename Traits, bool kAlibiPrefix = false>
 struct SharedStorage {
   using Element = typename Traits::Element;
   static constexpr int kOElems = Traits::kOAliasesQ ? 0 : int(cosize_v<typename Traits::SmemLayoutO>);
@@ -163,6 +182,7 @@ struct SharedStorage {
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>> k;
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutV>> v;
   alignas(1024) cute::array_aligned<Element, kOElems == 0 ? 1 : kOElems> o;
+  AlibiPrefixStorage<Traits, kAlibiPrefix> prefix;
   typename Traits::Pipeline::SharedStorage pipeline_k;
   typename Traits::Pipeline::SharedStorage pipeline_v;
   cutlass::arch::ClusterTransactionBarrier q_full;  // Q of the current tile has landed

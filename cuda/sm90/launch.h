@@ -54,7 +54,7 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
       return err;
 
   auto kernel = &fwd_kernel<Traits, kCausal, kPolicies>;
-  constexpr int smem = int(sizeof(SharedStorage<Traits>));
+  constexpr int smem = int(sizeof(SharedStorage<Traits, alibi_on_tensor_cores(kPolicies)>));
   static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       err != cudaSuccess)

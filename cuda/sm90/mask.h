@@ -30,6 +30,12 @@ using namespace cute;
 enum : int { kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicyData = 8, kPolicyDropout = 16 };
 enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
 
+// Whether a kernel of policy set `policies` takes ALiBi's term on the tensor cores, as a k prefix of
+// Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): the positions-and-ALiBi set's. Soft-capping must see the
+// logits without it (so not with the score modifiers), and the sets with more features keep the
+// per-element term (their registers and smem are spoken for).
+constexpr bool alibi_on_tensor_cores(int policies) { return policies == (kPolicyPositions | kPolicyAlibi); }
+
 // The policies a call needs besides dropout.
 inline int policies_needed(const MaskParams& m) {
   int set = kPolicyPositions;
@@ -105,9 +111,10 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
 // Which per-element tests this thread's elements of key block [n0, n0 + bn) need, as a set of
 // kNeeds* bits: positions, when a row does not see the whole block by position; segments, when
 // the block is not inside the tile's one-segment key run (tile_rows); the boolean mask, always when
-// given. Per thread: each thread masks only its own elements. No loads: it runs between a
-// block's GEMMs and the wait for its scores.
-enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4 };
+// given; with ALiBi on the tensor cores (alibi_on_tensor_cores), its |·| where a row sees keys
+// right of it in the block (apply_policy). Per thread: each thread masks only its own elements.
+// No loads: it runs between a block's GEMMs and the wait for its scores.
+enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlibiAbs = 8 };
 
 template <int kPolicies, int kRows>
 __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n0, int bn) {
@@ -116,9 +123,23 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r)
     if (rows.lo[r] > n0 || rows.hi[r] < n0 + bn) needs |= kNeedsPositions;
+  if (alibi_on_tensor_cores(kPolicies) && p.mask.alibi_slopes != nullptr) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r)
+      if (min(rows.hi[r], n0 + bn) - 1 > rows.pos[r]) needs |= kNeedsAlibiAbs;
+  }
   if (kData && p.mask.q_segment_ids != nullptr && !(n0 >= rows.seg_begin && min(n0 + bn, int(p.S)) <= rows.seg_end))
     needs |= kNeedsSegments;
   return needs;
+}
+
+// ALiBi's shift of block n0 for scores that hold slope·(j − n0) (the tensor cores' k prefix) and
+// see only keys left of their rows: −slope·(pos − j) = slope·(j − n0) + slope·(n0 − pos0) − slope·
+// (pos − pos0), whose last term alibi_lse_shift takes off the LSE. The same for every row.
+// `slope` in the units of the raw scores.
+template <int kRows>
+__forceinline__ __device__ float alibi_shift(float slope, const TileRows<kRows>& rows, int n0) {
+  return slope * float(n0 - rows.pos0);
 }
 
 // Raw q·k scores of the key block [n0, n0 + bn) to logits in the units of policy_logit_scale:
@@ -138,10 +159,16 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
 // Where the keys a row sees in this block all lie on one side of it (every block of a causal
 // row), −slope·|pos − j| is linear in the column, and what varies per element is one FFMA with a
 // compile-time column: slope·c0. Blocks that straddle a row keep the |·| (two instructions).
+// With `alibi_in_scores` the scores arrive holding slope·(j − n0) already (the tensor cores' k
+// prefix, fwd_kernel.h): where every key a thread's rows see lies left of them (needs without
+// kNeedsAlibiAbs), the shift is all that is left, slope·(n0 − pos0) for every row (alibi_shift;
+// the kernel then skips this function, as on blocks without tests); otherwise three instructions
+// per element.
 template <int kPolicies, int kRows, typename Scores, typename Coords, typename Coords0>
 __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coords, Coords0 const& coords0,
                                              const AttentionParams& p, const TileRows<kRows>& rows, int batch,
-                                             int head, int m0, int n0, int bn, int needs, float (&shift)[kRows]) {
+                                             int head, int m0, int n0, int bn, int needs, float (&shift)[kRows],
+                                             bool alibi_in_scores = false) {
   const MaskParams& m = p.mask;
   constexpr bool kScore = kPolicies & kPolicyScore, kAlibi = kPolicies & kPolicyAlibi, kData = kPolicies & kPolicyData;
   const bool has_softcap = kScore && m.softcap > 0.f;
@@ -173,7 +200,22 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
       // Relative to pos0: the row at P, this thread's first column at C, a key at C + c0.
       const float slope = rows.slope * add_scale;
       const int P = rows.pos[r] - rows.pos0, C = col_shift - rows.pos0;
-      if (min(rows.hi[r], n0 + bn) - 1 <= rows.pos[r]) {
+      if (alibi_in_scores) {
+        // The scores hold slope·(off + c0), off = col_shift − n0: this thread's first column.
+        if (needs & kNeedsAlibiAbs) {
+          // −slope·|P − C − c0| + slope·P, less what the scores hold.
+          const int off = col_shift - n0;
+          shift[r] = slope * float(P - off);
+          const float d0 = float(P - C);
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(scores); ++c) {
+            const float c0 = float(get<1>(coords0(r, c)));
+            scores(r, c) = fmaf(-slope, fabsf(d0 - c0), fmaf(-slope, c0, scores(r, c)));
+          }
+        } else {
+          shift[r] = alibi_shift(slope, rows, n0);
+        }
+      } else if (min(rows.hi[r], n0 + bn) - 1 <= rows.pos[r]) {
         // Keys left of the row: −slope·(P − C − c0) + slope·P = slope·C + slope·c0.
         shift[r] = slope * float(C);
         CUTE_UNROLL

@@ -29,6 +29,26 @@ __forceinline__ __device__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB con
   if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TA&>(tCrA));
 }
 
+// C = A'·B' + A·B as a single wgmma batch, for operands in smem: the prefix pair (A', B') first,
+// which zero-initialises C, then the k blocks of (A, B). Its k blocks may be laid out differently
+// (the descriptors carry each operand's own swizzle).
+template <typename TiledMma, typename TPA, typename TPB, typename TA, typename TB, typename TC>
+__forceinline__ __device__ void gemm_with_prefix(TiledMma& tiled_mma, TPA const& tCrA_prefix, TPB const& tCrB_prefix,
+                                                 TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA_prefix); ++k) {
+    cute::gemm(tiled_mma, tCrA_prefix(_, _, k), tCrB_prefix(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tCrC);
+}
+
 // Marks the end of a block's softmax before the wait for the P·V GEMM that runs under it. ptxas
 // schedules wgmma.wait_group as early as the memory operations around it allow (its SASS,
 // WARPGROUP.DEPBAR, came right after the K release), which put the wait for P·V(n + 1) before the

@@ -44,7 +44,12 @@ using jfa::DType;
 // Masking features of a case (the general path); 0 = the plain/causal kernels.
 enum Feature : int {
   kWindow = 1, kBottomRight = 2, kLengths = 4, kSegments = 8, kSoftcap = 16, kAlibi = 32, kBias = 64,
-  kMask = 128, kDropout = 256
+  kMask = 128, kDropout = 256,
+  // ALiBi with a scale of 1e-4 and head 0's slope 7: slope / scale past fp16's range (the kernel's
+  // fp16 fallback from the tensor cores' ALiBi prefix to the per-element term: fwd_kernel.h,
+  // kAlibiPrefix). A steep slope itself would not do: the kernels keep ALiBi's term relative to the
+  // tile's first row (mask.h, apply_policy), so float holds slope · 192 to ~1e-7 relative only.
+  kSteepAlibi = 512
 };
 
 struct Config {
@@ -109,8 +114,8 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
   }
   if (c.features & kSoftcap) h.softcap = 4.f;
   std::uniform_real_distribution<float> ud(0.01f, 0.3f);
-  if (c.features & kAlibi)
-    for (int n = 0; n < c.N; ++n) m.slopes.push_back(ud(rng));
+  if (c.features & (kAlibi | kSteepAlibi))
+    for (int n = 0; n < c.N; ++n) m.slopes.push_back(n == 0 && (c.features & kSteepAlibi) ? 7.f : ud(rng));
   std::normal_distribution<float> nd(0.f, 1.f);
   if (c.features & kBias) {  // [1, N, 1, S]: broadcast over batch and queries
     for (int i = 0; i < c.N * c.S; ++i) m.bias.push_back(nd(rng));
@@ -183,7 +188,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     return d;
   };
-  const float scale = 1.f / std::sqrt(float(c.H));
+  const float scale = c.features & kSteepAlibi ? 1e-4f : 1.f / std::sqrt(float(c.H));
   AttentionParams p;
   p.B = c.B; p.T = c.T; p.S = c.S; p.N = c.N; p.K = c.K; p.H = c.H; p.Hv = c.H;
   p.dtype = c.dt;
@@ -367,8 +372,12 @@ struct BenchProblem {
     if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
     if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
     if (bm == BenchMask::kDropout) masks.host.dropout_rate = 0.1f;
-    if (bm == BenchMask::kAlibi)
-      for (int n = 0; n < N; ++n) masks.slopes.push_back(std::exp2(-8.f * (n + 1) / N));
+    if (bm == BenchMask::kAlibi) {
+      // JFA_BENCH_SLOPE_FACTOR scales the slopes: with 0, the cost of ALiBi's code alone.
+      const char* f = std::getenv("JFA_BENCH_SLOPE_FACTOR");
+      const float factor = f ? float(std::atof(f)) : 1.f;
+      for (int n = 0; n < N; ++n) masks.slopes.push_back(factor * std::exp2(-8.f * (n + 1) / N));
+    }
     // Useful FLOPs: 4·H per visible (query, key) pair, pairs counted with the shared policies (the
     // batches are alike: count one).
     AttentionParams ph = p;
@@ -602,6 +611,7 @@ int main(int argc, char** argv) {
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
       cases.push_back({1, 1600, 2100, 2, 1, H, true, BF, 0, kWindow | kAlibi});  // H 64's 192-row tiles
+      cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
   } else if (!bench_only) {
@@ -627,6 +637,13 @@ int main(int argc, char** argv) {
                                               kSoftcap, kAlibi, kBias, kMask})
         cases.push_back({2, 255, 300, 4, 2, H, (i++ & 1) == 0, BF, 0, f});
       cases.push_back({2, 300, 255, 4, 2, H, true, BF, 0, kBottomRight | kLengths});  // T > S, bottom-right
+      // ALiBi alone takes its term on the tensor cores (fwd_kernel.h, kAlibiPrefix): blocks left of,
+      // right of and across the rows, both dtypes, fp16's fallback for a steep slope.
+      cases.push_back({2, 255, 300, 4, 2, H, false, BF, 0, kAlibi});
+      cases.push_back({2, 300, 1000, 4, 2, H, false, FP, 8, kAlibi | kWindow | kLengths});
+      cases.push_back({1, 1000, 1700, 4, 2, H, true, FP, 0, kAlibi | kBottomRight});
+      cases.push_back({2, 1700, 2100, 4, 2, H, false, FP, 0, kSteepAlibi | kBottomRight | kWindow});
+      cases.push_back({1, 1700, 2100, 4, 1, H, true, BF, 0, kSteepAlibi});
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
       cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
       // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
