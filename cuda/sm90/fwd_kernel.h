@@ -24,7 +24,7 @@
 // with it (the segment summaries): that is its trip count. Each thread reads its rows' bounds once
 // per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
 // (block_needs: position bounds, segments outside the tile's one-segment key run, the boolean
-// mask); score modifiers run on every block. A tile that sees no key visits block 0 fully masked,
+// mask); score modifiers run on every block (ALiBi on the tensor cores excepted, below). A tile that sees no key visits block 0 fully masked,
 // so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
 // probabilities are dropped after the softmax statistics (dropout.h), the row sums and LSE kept
 // dropout-free, and O's final scale takes the 1 / (1 - rate).
@@ -34,10 +34,14 @@
 // c = j − n0 its column in the block (the same for every block: written once per CTA), and each
 // query row of a tile holds (a1, a2, a3, 0, ...), the slope in the units of the raw scores
 // (slope / scale) split into three 16-bit pieces. The products are exact and wgmma sums them in
-// float, so the scores come out with slope·(j − n0) added to float precision. On a block where
+// float, so the scores come out with slope·(j − n0) added: to float precision in bf16; in fp16 the
+// pieces below its normal range keep fewer bits (about 2^-25 absolute per column of c, raw-score
+// units), and a slope / scale past its range makes the tile fall back to the per-element term
+// (alibi_prefix). The column c must be exact in 16 bits: kBlockN <= 256. On a block where
 // every key a thread's rows see lies left of them (every block of a causal row) ALiBi is then a
 // per-block shift, and the block skips the policy code as blocks without tests do (general_scores,
-// block_needs' kNeedsAlibiAbs). The cost: 1/16 more Q·Kᵀ work at H 128. Measured (H200, bf16,
+// block_needs' kNeedsAlibiAbs). The cost: one more k block of Q·Kᵀ, i.e. 1/8 more Q·Kᵀ work at
+// H 128 (1/16 of Q·Kᵀ and P·V together), 1/4 at H 64, 1/16 at H 256. Measured (H200, bf16,
 // causal 16k, sm90_check --masks): 82 / 82 / 82 % of plain causal before, 88 / 85 / 86 % after at
 // H 64 / 128 / 256. The prefix alone, with the policy code still run on every block, gained
 // nothing (ncu, H 128: 50M fewer instructions, the same cycles): what held ALiBi back was that
@@ -107,7 +111,8 @@ struct KernelParams {
 
 // Named barriers, by raw id (0 is __syncthreads'; the kernel uses no CUTLASS collective, so
 // CUTLASS's reserved ids are free): per consumer warpgroup w, its ping-pong scheduler barrier, its
-// tile meeting with the producer warp and its epilogue. Per warpgroup, so that nothing but the
+// tile meeting with the producer warp, its epilogue and, in the ALiBi prefix kernel, the write of
+// its rows of the prefix's Q side (kAlibiPrefix). Per warpgroup, so that nothing but the
 // ping-pong order ties the consumers together: a warpgroup ending a tile stores its own 64 rows
 // of O and starts the next tile while the other still runs its last P·V. With one barrier of all
 // consumers there, both waited for the later one and then ran their epilogues side by side, the
@@ -168,6 +173,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   constexpr bool kGeneral = kPolicies != 0;
   constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
   constexpr bool kAlibiPrefix = alibi_on_tensor_cores(kPolicies);
+  static_assert(!kAlibiPrefix || Traits::kBlockN <= 256, "the prefix's key columns must be exact in bf16");
   static_assert(!(kCausal && kGeneral), "the general path takes causality from p.attn");
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;

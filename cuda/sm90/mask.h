@@ -143,7 +143,7 @@ __forceinline__ __device__ float alibi_shift(float slope, const TileRows<kRows>&
 }
 
 // Raw q·k scores of the key block [n0, n0 + bn) to logits in the units of policy_logit_scale:
-// soft-capping, bias and ALiBi on every element, then -inf where an element fails a test of
+// soft-capping, bias and ALiBi on every element (ALiBi: unless in the scores already, below), then -inf where an element fails a test of
 // `needs` (block_needs). `scores` and `coords` are (row, col) views of the accumulator and of the
 // identity tensor partitioned the same way; `coords0` is the same partition for thread 0. A wgmma
 // accumulator fragment is thread 0's translated by a per-thread offset, so a column is that offset
@@ -161,9 +161,9 @@ __forceinline__ __device__ float alibi_shift(float slope, const TileRows<kRows>&
 // compile-time column: slope·c0. Blocks that straddle a row keep the |·| (two instructions).
 // With `alibi_in_scores` the scores arrive holding slope·(j − n0) already (the tensor cores' k
 // prefix, fwd_kernel.h): where every key a thread's rows see lies left of them (needs without
-// kNeedsAlibiAbs), the shift is all that is left, slope·(n0 − pos0) for every row (alibi_shift;
-// the kernel then skips this function, as on blocks without tests); otherwise three instructions
-// per element.
+// kNeedsAlibiAbs), the shift is all that is left, slope·(n0 − pos0) for every row (alibi_shift:
+// on a block without any test the kernel skips this function and sets it itself); otherwise
+// three instructions per element (blocks right of a row too: one more than the per-element path).
 template <int kPolicies, int kRows, typename Scores, typename Coords, typename Coords0>
 __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coords, Coords0 const& coords0,
                                              const AttentionParams& p, const TileRows<kRows>& rows, int batch,
