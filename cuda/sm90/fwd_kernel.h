@@ -24,8 +24,8 @@
 // with it (the segment summaries): that is its trip count. Each thread reads its rows' bounds once
 // per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
 // (block_needs: position bounds, segments outside the tile's one-segment key run, the boolean
-// mask); score modifiers run on every block (ALiBi on the tensor cores excepted, below). A tile that sees no key visits block 0 fully masked,
-// so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
+// mask); score modifiers run on every block (ALiBi on the tensor cores excepted, below). A tile
+// that sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
 // probabilities are dropped after the softmax statistics (dropout.h), the row sums and LSE kept
 // dropout-free, and O's final scale takes the 1 / (1 - rate).
 //
@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       ++read;
       pipeline_k.consumer_wait(read);
       sched_sync();
-      // (A lambda for this issue measured spills: ptxas then kept S in local memory.)
+      // (Not a lambda: one for this issue made ptxas keep S in local memory, a 464-byte stack frame
+      // in the all-policies kernel.)
       if (kAlibiPrefix && alibi_prefix)
         gemm_with_prefix(mma_qk, tSrQPrefix, tSrKPrefix, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       else
