@@ -269,6 +269,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         pipeline_v.producer_acquire(st);
         if (leader) copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
+      // The next tile is claimed first, so that the claim's round trip overlaps the waits for this
+      // tile's first K and Q slots.
+      const int claimed = leader ? sched.next(work.tile) : 0;
       int n = work.n_end - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
@@ -276,6 +279,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (leader) {
         ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
         copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
+      }
+      // Then the next tile is worked out (work_of) and handed to the consumers, who read it when
+      // this tile ends (see SharedStorage::next_work; the slot's last reader was the tile before
+      // the previous one, before the last meeting). Here, before the first load step, the general
+      // path's block range (and its segment summaries' loads) runs while that step waits for the
+      // previous tile to free its slots; after it, as the claim did too, both ran between this
+      // tile's loads and the meeting below, where the general kernel's consumers waited for them
+      // (ncu, H200, H 128, causal on 4k rows: 1.7x plain causal's stall samples at the meeting).
+      {
+        const TileWork next = work_of(__shfl_sync(0xffffffffu, claimed, 0));
+        if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
       }
       // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
       // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
@@ -287,18 +301,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         --n;
       };
       // The first step's slots free during the previous tile: its loads go out before the wait
-      // below. Then draw the next tile and hand it to the consumers, who read it when this tile
-      // ends (see SharedStorage::next_work); the wait lasts until they start this tile.
+      // below, which lasts until the consumers start this tile.
       if (n > work.n_begin) load_step();
-      const TileWork next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
-      if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
       // Consumer 0 leads the ping-pong, so it is met first.
       for (int w = 0; w < kNumMmaWarpGroups; ++w) tile_meeting(w);
 #pragma unroll 1
       while (n > work.n_begin) load_step();
       load_v(work.n_begin, write);
       ++write;
-      work = next;
+      // Read back rather than kept in registers through the loop (the producer has 24): the
+      // meetings above order lane 0's write before the other lanes' reads.
+      work = announced_work(ss.next_work[(iter + 1) & 1]);
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
@@ -362,11 +375,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     int n = work.n_end - 1;
     // General path: this thread's rows of the tile, the per-element tests block n needs (found
     // under the block's GEMMs), and its scores with masks and modifiers applied, in units the
-    // softmax multiplies by `logit_scale` (policy_logit_scale).
-    [[maybe_unused]] const auto rows =
-        kGeneral ? tile_rows<kPolicies, kRows, kBlockM>(p.attn, t.batch, t.head, m0, cS_rc) : TileRows<kRows>{};
+    // softmax multiplies by `logit_scale` (policy_logit_scale). The rows are read under the first
+    // block's GEMM (below): read here, before it, their 64-bit position bounds put ~155
+    // instructions between the tile meeting and that GEMM's issue (plain causal: ~75), and the
+    // general kernel's tile start took 1.5x plain causal's stall samples (ncu, H200, H 128,
+    // causal on 4k rows, a window that hides nothing).
+    [[maybe_unused]] TileRows<kRows> rows;
     auto tests_of = [&](int n_block) {
-      return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block * kBlockN, kBlockN) : 0;
+      return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block, kBlockN) : 0;
     };
     // Score modifiers touch every block (the full policy code). Without them a block whose
     // elements need no test (most blocks of a window or of packed segments) skips the policy code
@@ -375,9 +391,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // against plain causal's 540M, 565M with the skip.
     constexpr int kScoreMods = kPolicyAlibi | kPolicyScore;
     const bool score_mods = (kPolicies & kScoreMods) && p.attn.mask.has_score_mod();
-    // ALiBi's slope in the units of the raw scores (apply_policy's), for the tensor cores' prefix.
-    [[maybe_unused]] const float prefix_slope = rows.slope * (kLog2eF / p.attn.scale_log2);
-    // The per-row shift of the block's scores (apply_policy: ALiBi), which the softmax adds.
+    // ALiBi's slope in the units of the raw scores (apply_policy's), for the tensor cores' prefix
+    // (read here: its Q side is written under the first GEMM, beside tile_rows).
+    const MaskParams& mp = p.attn.mask;
+    [[maybe_unused]] const float prefix_slope =
+        kAlibiPrefix && mp.alibi_slopes != nullptr
+            ? mp.alibi_slopes[t.batch * mp.alibi_batch_stride + t.head] * (kLog2eF / p.attn.scale_log2)
+            : 0.f;
+    // The per-row shift of the block's scores (apply_policy: ALiBi), which the softmax adds; only
+    // ALiBi sets one, so the other sets' kernels run the softmax without it.
+    constexpr bool kShifts = (kPolicies & kPolicyAlibi) != 0;
     float shift[kRows];
     // With ALiBi's term in the scores (the tensor cores' prefix) ALiBi is no score modifier: a block
     // whose elements need no test (kNeedsAlibiAbs among them) takes its shift alone.
@@ -461,6 +484,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // without ALiBi's prefix, whose Q side is written under this GEMM.
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    if constexpr (kGeneral) rows = tile_rows<kPolicies, kRows, kBlockM, kBlockN>(p.attn, t.batch, t.head, m0, cS_rc);
     int needs = tests_of(n);
     if (alibi_prefix) write_q_prefix();
     warpgroup_wait<0>();
@@ -469,7 +493,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     release_q_after(n);
     if constexpr (kGeneral) {
       general_scores(tSrS_rc, n, needs, false);
-      rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
+      if constexpr (kShifts)
+        rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale, shift);
+      else
+        rescale_o = softmax.template update<true>(tSrS_rc, logit_scale, o_scale);
       dropout(n);
     } else {
       apply_mask<kCausal, true>(tSrS, cS, m0, n * kBlockN, p.S);
@@ -500,7 +527,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       release_q_after(n);
       if constexpr (kGeneral) {
         general_scores(tSrS_rc, n, needs, alibi_in_scores);
-        rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
+        if constexpr (kShifts)
+          rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale, shift);
+        else
+          rescale_o = softmax.template update<false>(tSrS_rc, logit_scale, o_scale);
         dropout(n);
       } else {
         if (kCausal && n * kBlockN + kBlockN - 1 > m0) apply_mask<kCausal, false>(tSrS, cS, m0, n * kBlockN, p.S);

@@ -6,6 +6,7 @@
 // element; measured: 5-6x slower than plain causal on an H200).
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include <cute/tensor.hpp>
@@ -69,11 +70,16 @@ struct TileRows {
   int pos[kRows];            // the key-aligned position (ALiBi)
   int pos0;                  // that of the tile's first row: ALiBi's reference (apply_policy)
   int seg[kRows];            // the segment id (with segment ids)
-  int seg_begin, seg_end;    // keys that share the segment of every row of the tile (maybe none)
   float slope;               // the head's ALiBi slope (0 without)
+  // Key blocks [lo, hi] (inclusive; empty when lo > hi) that need no position test for any of
+  // this thread's rows, and those inside the tile's one-segment key run (with segment ids: keys
+  // that share the segment of every row of the tile), for block_needs: two compares per block
+  // and test instead of a chain per row and block.
+  int pos_free_lo, pos_free_hi;
+  int seg_free_lo, seg_free_hi;
 };
 
-template <int kPolicies, int kRows, int kTileRowsM, typename Coords>
+template <int kPolicies, int kRows, int kTileRowsM, int kBlockN, typename Coords>
 __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, int batch, int head, int m0,
                                                     Coords const& coords) {
   const SequenceBounds bounds = sequence_bounds(p, batch);
@@ -90,45 +96,59 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
     rows.seg[r] = row.seg;
     rows.slope = row.slope;
   }
+  // Blocks [n0, n0 + kBlockN) with lo <= n0 and n0 + kBlockN <= hi for every row (lo >= 0; rows
+  // past T have hi = 0, so all their blocks are tested).
+  int max_lo = 0, min_hi = INT_MAX;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    max_lo = max(max_lo, rows.lo[r]);
+    min_hi = min(min_hi, rows.hi[r]);
+  }
+  rows.pos_free_lo = (max_lo + kBlockN - 1) / kBlockN;
+  rows.pos_free_hi = min_hi >= kBlockN ? (min_hi - kBlockN) / kBlockN : -1;
   // With segment ids: if the tile's queries hold one id (the run of one-id chunks around its first
-  // chunk covers it), the keys of the run of one-id kv chunks with that id where its key span
-  // starts (the chunk's match run, jax_flashattn/_segment_chunks.py): blocks inside it need no
-  // segment test. Packed sequences give the whole sequence. One load: worked out here from the
-  // kv summaries it was a chain of three dependent loads, which each tile waited out before its
-  // first block (the first block's tests need it).
-  rows.seg_begin = rows.seg_end = 0;
+  // chunk covers it), the keys [seg_begin, seg_end) of the run of one-id kv chunks with that id
+  // where its key span starts (the chunk's match run, jax_flashattn/_segment_chunks.py): blocks
+  // inside it (n0 >= seg_begin, min(n0 + kBlockN, S) <= seg_end) need no segment test. Packed
+  // sequences give the whole sequence. One load: worked out here from the kv summaries it was a
+  // chain of three dependent loads, which each tile waited out before its first block (the first
+  // block's tests need it).
+  int seg_begin = 0, seg_end = 0;
   const MaskParams& m = p.mask;
   if ((kPolicies & kPolicyData) && m.q_segment_chunks != nullptr) {
     const int4 run = __ldg(&segment_chunk_row(m.q_segment_chunks, batch, int(p.T))[m0 / kSegmentChunk].run);
     if (run.x <= m0 && run.y >= min(m0 + kTileRowsM, int(p.T))) {
-      rows.seg_begin = run.z;
-      rows.seg_end = run.w;
+      seg_begin = run.z;
+      seg_end = run.w;
     }
   }
+  rows.seg_free_lo = (seg_begin + kBlockN - 1) / kBlockN;
+  rows.seg_free_hi = seg_end >= int(p.S) ? INT_MAX : seg_end >= kBlockN ? (seg_end - kBlockN) / kBlockN : -1;
   return rows;
 }
 
-// Which per-element tests this thread's elements of key block [n0, n0 + bn) need, as a set of
-// kNeeds* bits: positions, when a row does not see the whole block by position; segments, when
-// the block is not inside the tile's one-segment key run (tile_rows); the boolean mask, always when
+// Which per-element tests this thread's elements of key block n_block ([n0, n0 + bn), n0 = n_block ·
+// bn) need, as a set of kNeeds* bits: positions, when a row does not see the whole block by
+// position; segments, when the block is not inside the tile's one-segment key run (both from
+// tile_rows' block ranges); the boolean mask, always when
 // given; with ALiBi on the tensor cores (alibi_on_tensor_cores), its |·| where a row sees keys
 // right of it in the block (apply_policy). Per thread: each thread masks only its own elements.
 // No loads: it runs between a block's GEMMs and the wait for its scores.
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlibiAbs = 8 };
 
 template <int kPolicies, int kRows>
-__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n0, int bn) {
+__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n_block,
+                                           int bn) {
   constexpr bool kData = kPolicies & kPolicyData;
+  const int n0 = n_block * bn;
   int needs = kData && p.mask.mask != nullptr ? kNeedsMask : 0;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r)
-    if (rows.lo[r] > n0 || rows.hi[r] < n0 + bn) needs |= kNeedsPositions;
+  if (n_block < rows.pos_free_lo || n_block > rows.pos_free_hi) needs |= kNeedsPositions;
   if (alibi_on_tensor_cores(kPolicies) && p.mask.alibi_slopes != nullptr) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r)
       if (min(rows.hi[r], n0 + bn) - 1 > rows.pos[r]) needs |= kNeedsAlibiAbs;
   }
-  if (kData && p.mask.q_segment_ids != nullptr && !(n0 >= rows.seg_begin && min(n0 + bn, int(p.S)) <= rows.seg_end))
+  if (kData && p.mask.q_segment_ids != nullptr && (n_block < rows.seg_free_lo || n_block > rows.seg_free_hi))
     needs |= kNeedsSegments;
   return needs;
 }

@@ -60,11 +60,10 @@ struct OnlineSoftmax {
         o_scale[r] = 1.f;
         row_max[r] = m;
       } else {
-        // From a max of -inf any finite max grows, -inf to -inf does not. For scale > 0 the threshold
-        // test alone says the same; the first clause only spells it out. A scale of 0 never gets
-        // here (jax_flashattn/autodiff.py passes q = 0 with scale 1: masked -inf times 0 would be
-        // NaN in the exp2 below too), so this is not where scale 0 is handled.
-        const bool grow = (row_max[r] == -INFINITY && m != -INFINITY) || (m - row_max[r]) * scale_log2 > kMaxGrowthLog2;
+        // From a max of -inf any finite max grows ((m + inf) · scale = inf), -inf to -inf does not
+        // (NaN compares false). Needs scale > 0: jax_flashattn/autodiff.py never passes 0 (it
+        // passes q = 0 with scale 1 instead; masked -inf times 0 would be NaN in the exp2 too).
+        const bool grow = (m - row_max[r]) * scale_log2 > kMaxGrowthLog2;
         const float m_new_scaled = m == -INFINITY ? 0.f : m * scale_log2;
         o_scale[r] = grow ? exp2f(row_max[r] * scale_log2 - m_new_scaled) : 1.f;
         row_max[r] = grow ? m : row_max[r];

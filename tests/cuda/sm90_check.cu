@@ -333,8 +333,11 @@ static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 // Masks of the speed table (issue 5): causal attention plus one feature, on T = S.
 // kQuarterCausal is no mask: plain causal on sequences of T / 4 (B x 16), the same useful FLOPs in
 // tiles of the same trip counts as window(2048, 0) and 4 segments of T / 4 at T = 16k, whose cost
-// beside plain causal at T is then the masks' alone, not that of shorter rows.
-enum class BenchMask { kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout };
+// beside plain causal at T is then the masks' alone, not that of shorter rows. kQuarterWideWindow is
+// the general kernel's own cost on those rows (a window that hides nothing, on T / 4).
+enum class BenchMask {
+  kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout, kQuarterWideWindow
+};
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
     case BenchMask::kNone: return "plain";
@@ -344,6 +347,7 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kSoftcap: return "softcap";
     case BenchMask::kWideWindow: return "window(T,0)";  // hides nothing: the general kernel's own cost
     case BenchMask::kQuarterCausal: return "plain(T/4)";
+    case BenchMask::kQuarterWideWindow: return "window(T,0)(T/4)";
     case BenchMask::kDropout: return "dropout(0.1)";
   }
   return "?";
@@ -362,14 +366,15 @@ struct BenchProblem {
   BenchMask mask = BenchMask::kNone;
 
   BenchProblem(DType dt, int H, int B, int T_full, int N, bool causal, BenchMask bm) : mask(bm) {
-    const int T = bm == BenchMask::kQuarterCausal ? T_full / 4 : T_full;
+    const bool quarter = bm == BenchMask::kQuarterCausal || bm == BenchMask::kQuarterWideWindow;
+    const int T = quarter ? T_full / 4 : T_full;
     p.B = 1; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
     p.scale = 1.f / std::sqrt(float(H));
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.is_causal = causal;
     p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
     if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
-    if (bm == BenchMask::kWideWindow) masks.host.window_left = T;
+    if (bm == BenchMask::kWideWindow || bm == BenchMask::kQuarterWideWindow) masks.host.window_left = T;
     if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
     if (bm == BenchMask::kDropout) masks.host.dropout_rate = 0.1f;
     if (bm == BenchMask::kAlibi) {
@@ -499,7 +504,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
 static void bench_masks(DType dt, int H, int T, int N, int rounds) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
-  for (BenchMask m : {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kWideWindow, BenchMask::kWindow,
+  for (BenchMask m : {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
+                      BenchMask::kWideWindow, BenchMask::kWindow,
                       BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout})
     probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
   cudaStream_t s;
@@ -523,7 +529,7 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
            dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), int(probs[i]->p.T), N, bench_mask_name(m),
            med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
     // Masks whose rows see T / 4 keys or so, also beside plain causal on T / 4.
-    if (m == BenchMask::kWindow || m == BenchMask::kSegments)
+    if (m == BenchMask::kWindow || m == BenchMask::kSegments || m == BenchMask::kQuarterWideWindow)
       printf(" | %.1f %% of plain(T/4)", 100.0 * tflops / plain_quarter);
     printf("\n");
   }
