@@ -269,9 +269,22 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         pipeline_v.producer_acquire(st);
         if (leader) copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
-      // The next tile is claimed first, so that the claim's round trip overlaps the waits for this
-      // tile's first K and Q slots.
-      const int claimed = leader ? sched.next(work.tile) : 0;
+      // The next tile: claimed (sched.next), worked out (work_of) and handed to the consumers, who
+      // read it when this tile ends (see SharedStorage::next_work; the slot's last reader was the
+      // tile before the previous one, before the last meeting). Two orders, each measured where
+      // it is used (H200, bf16, benchmarks/ab_sm90.sh --masks against 1dccd35, 2 rounds):
+      // - plain kernels: after this tile's first loads and first load step, as before. Claiming
+      //   at the top and working it out before the first load step measured plain causal 16k at
+      //   H 128 4-5 % slower (1.55 -> 1.63 ms; the build's only other change to the plain
+      //   kernels, softmax.h's, measured 1.54 ms alone).
+      // - general kernels: claimed at the top (the round trip overlaps the waits for the first K
+      //   and Q slots) and worked out before the first load step, so that the block range (and
+      //   its segment summaries' loads) runs while that step waits for slots. After it, both ran
+      //   between this tile's loads and the meeting below, where the consumers waited for them
+      //   (ncu, H 128, causal on 4k rows: 1.7x plain causal's stall samples at the meeting).
+      constexpr bool kEarlyNext = kGeneral;
+      [[maybe_unused]] int claimed = 0;
+      if constexpr (kEarlyNext) claimed = leader ? sched.next(work.tile) : 0;
       int n = work.n_end - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
@@ -280,14 +293,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
         copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
       }
-      // Then the next tile is worked out (work_of) and handed to the consumers, who read it when
-      // this tile ends (see SharedStorage::next_work; the slot's last reader was the tile before
-      // the previous one, before the last meeting). Here, before the first load step, the general
-      // path's block range (and its segment summaries' loads) runs while that step waits for the
-      // previous tile to free its slots; after it, as the claim did too, both ran between this
-      // tile's loads and the meeting below, where the general kernel's consumers waited for them
-      // (ncu, H200, H 128, causal on 4k rows: 1.7x plain causal's stall samples at the meeting).
-      {
+      if constexpr (kEarlyNext) {
         const TileWork next = work_of(__shfl_sync(0xffffffffu, claimed, 0));
         if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
       }
@@ -303,15 +309,23 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // The first step's slots free during the previous tile: its loads go out before the wait
       // below, which lasts until the consumers start this tile.
       if (n > work.n_begin) load_step();
+      [[maybe_unused]] TileWork next{};
+      if constexpr (!kEarlyNext) {
+        next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
+        if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
+      }
       // Consumer 0 leads the ping-pong, so it is met first.
       for (int w = 0; w < kNumMmaWarpGroups; ++w) tile_meeting(w);
 #pragma unroll 1
       while (n > work.n_begin) load_step();
       load_v(work.n_begin, write);
       ++write;
-      // Read back rather than kept in registers through the loop (the producer has 24): the
-      // meetings above order lane 0's write before the other lanes' reads.
-      work = announced_work(ss.next_work[(iter + 1) & 1]);
+      // The general kernels read it back rather than keep it in registers through the loop (the
+      // producer has 24): the meetings above order lane 0's write before the other lanes' reads.
+      if constexpr (kEarlyNext)
+        work = announced_work(ss.next_work[(iter + 1) & 1]);
+      else
+        work = next;
     }
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
