@@ -127,13 +127,13 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
   return rows;
 }
 
-// Which per-element tests this thread's elements of key block n_block ([n0, n0 + bn), n0 = n_block ·
-// bn) need, as a set of kNeeds* bits: positions, when a row does not see the whole block by
-// position; segments, when the block is not inside the tile's one-segment key run (both from
-// tile_rows' block ranges); the boolean mask, always when
-// given; with ALiBi on the tensor cores (alibi_on_tensor_cores), its |·| where a row sees keys
-// right of it in the block (apply_policy). Per thread: each thread masks only its own elements.
-// No loads: it runs between a block's GEMMs and the wait for its scores.
+// Which per-element tests this thread's elements of key block n_block ([n0, n0 + bn), n0 =
+// n_block · bn) need, as a set of kNeeds* bits: positions, when a row does not see the whole
+// block by position; segments, when the block is not inside the tile's one-segment key run (both
+// from tile_rows' block ranges); the boolean mask, always when given; with ALiBi on the tensor
+// cores (alibi_on_tensor_cores), its |·| where a row sees keys right of it in the block
+// (apply_policy). Per thread: each thread masks only its own elements. No loads: it runs between
+// a block's GEMMs and the wait for its scores.
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlibiAbs = 8 };
 
 template <int kPolicies, int kRows>
