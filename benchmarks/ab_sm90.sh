@@ -8,6 +8,7 @@
 # lines per variant across rounds (medians), never one round alone. AB_CHECK=1 first runs each
 # variant's correctness sweep (sm90_check with no mode; $OUT/check-<i>.log), so that no timing is
 # read off a variant that computes wrong results.
+# JFA_BENCH_ROUNDS=1 (passed through to sm90_check) adds every round's time of --masks (ROUNDS lines).
 #   bash benchmarks/ab_sm90.sh --lengths ROOT...     (or --masks, --bench; or several: --masks,--lengths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +61,7 @@ for r in $(seq 1 "${AB_ROUNDS:-3}"); do
   for root in "$@"; do
     for m in ${mode//,/ }; do
       echo "== round $r variant $i ($root) $m"
-      timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$m" 2>&1 | grep -E "BENCH|MASKS|FAIL" | tee -a "$OUT/ab-$i.log"
+      timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$m" 2>&1 | grep -E "BENCH|MASKS|ROUNDS|FAIL" | tee -a "$OUT/ab-$i.log"
     done
     i=$((i + 1))
   done

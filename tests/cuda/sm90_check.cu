@@ -11,7 +11,9 @@
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal [mask [T]]   one timing (for ncu: its 4th launch is the first timed
 //                      one); mask: a BenchMask number (0 plain, 5 no-op window, 6 plain on T / 4,
-//                      7 dropout 0.1), T: B = 16k / T
+//                      7 dropout 0.1, 8 no-op window on T / 4, 9 one segment on T / 4; the T / 4
+//                      ones take a quarter of T), T: B = 16k / T
+// JFA_BENCH_ROUNDS=1 makes --masks print every round's time as well (ROUNDS lines).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -334,9 +336,12 @@ static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 // kQuarterCausal is no mask: plain causal on sequences of T / 4 (B x 16), the same useful FLOPs in
 // tiles of the same trip counts as window(2048, 0) and 4 segments of T / 4 at T = 16k, whose cost
 // beside plain causal at T is then the masks' alone, not that of shorter rows. kQuarterWideWindow is
-// the general kernel's own cost on those rows (a window that hides nothing, on T / 4).
+// the general kernel's own cost on those rows (a window that hides nothing, on T / 4), and
+// kQuarterOneSegment the segment-id kernel's (one segment per sequence, on T / 4): beside
+// kSegments, what packing four sequences into one row costs.
 enum class BenchMask {
-  kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout, kQuarterWideWindow
+  kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout, kQuarterWideWindow,
+  kQuarterOneSegment
 };
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
@@ -348,6 +353,7 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kWideWindow: return "window(T,0)";  // hides nothing: the general kernel's own cost
     case BenchMask::kQuarterCausal: return "plain(T/4)";
     case BenchMask::kQuarterWideWindow: return "window(T,0)(T/4)";
+    case BenchMask::kQuarterOneSegment: return "segments(1 x T)(T/4)";
     case BenchMask::kDropout: return "dropout(0.1)";
   }
   return "?";
@@ -366,7 +372,8 @@ struct BenchProblem {
   BenchMask mask = BenchMask::kNone;
 
   BenchProblem(DType dt, int H, int B, int T_full, int N, bool causal, BenchMask bm) : mask(bm) {
-    const bool quarter = bm == BenchMask::kQuarterCausal || bm == BenchMask::kQuarterWideWindow;
+    const bool quarter = bm == BenchMask::kQuarterCausal || bm == BenchMask::kQuarterWideWindow ||
+                         bm == BenchMask::kQuarterOneSegment;
     const int T = quarter ? T_full / 4 : T_full;
     p.B = 1; p.T = T; p.S = T; p.N = N; p.K = N; p.H = H; p.Hv = H; p.dtype = dt;
     p.scale = 1.f / std::sqrt(float(H));
@@ -407,9 +414,9 @@ struct BenchProblem {
     pairs *= B;
     p.B = B;
     flops = bm == BenchMask::kNone ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0) : 4.0 * pairs * N * H;
-    if (bm == BenchMask::kSegments)
+    if (bm == BenchMask::kSegments || bm == BenchMask::kQuarterOneSegment)
       for (int b = 0; b < B; ++b)
-        for (int i = 0; i < T; ++i) masks.q_seg.push_back(i / (T / 4));
+        for (int i = 0; i < T; ++i) masks.q_seg.push_back(bm == BenchMask::kSegments ? i / (T / 4) : 0);
     masks.kv_seg = masks.q_seg;
     p.mask = masks.host;
     p.mask.alibi_slopes = masks.upload(masks.slopes);
@@ -505,7 +512,7 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
   for (BenchMask m : {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
-                      BenchMask::kWideWindow, BenchMask::kWindow,
+                      BenchMask::kQuarterOneSegment, BenchMask::kWideWindow, BenchMask::kWindow,
                       BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout})
     probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
   cudaStream_t s;
@@ -529,9 +536,17 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
            dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), int(probs[i]->p.T), N, bench_mask_name(m),
            med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
     // Masks whose rows see T / 4 keys or so, also beside plain causal on T / 4.
-    if (m == BenchMask::kWindow || m == BenchMask::kSegments || m == BenchMask::kQuarterWideWindow)
+    if (m == BenchMask::kWindow || m == BenchMask::kSegments || m == BenchMask::kQuarterWideWindow ||
+        m == BenchMask::kQuarterOneSegment)
       printf(" | %.1f %% of plain(T/4)", 100.0 * tflops / plain_quarter);
     printf("\n");
+    // JFA_BENCH_ROUNDS=1: every round's time too, in round order (is a wide min-max spread drift,
+    // or two modes?).
+    if (std::getenv("JFA_BENCH_ROUNDS")) {
+      printf("ROUNDS %s H=%d mask=%s |", dt == DType::kBFloat16 ? "bf16" : "fp16", H, bench_mask_name(m));
+      for (float t : ms[i]) printf(" %.3f", t);
+      printf("\n");
+    }
   }
   fflush(stdout);
   CK(cudaStreamDestroy(s));
