@@ -269,22 +269,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         pipeline_v.producer_acquire(st);
         if (leader) copy(p.tma_v.with(*pipeline_v.producer_get_barrier(st)), tVgV(_, n), tVsV(_, st.index()));
       };
-      // The next tile: claimed (sched.next), worked out (work_of) and handed to the consumers, who
-      // read it when this tile ends (see SharedStorage::next_work; the slot's last reader was the
-      // tile before the previous one, before the last meeting). Two orders, each measured where
-      // it is used (H200, bf16, benchmarks/ab_sm90.sh --masks against 1dccd35, 2 rounds):
-      // - plain kernels: after this tile's first loads and first load step, as before. Claiming
-      //   at the top and working it out before the first load step measured plain causal 16k at
-      //   H 128 4-5 % slower (1.55 -> 1.63 ms; the build's only other change to the plain
-      //   kernels, softmax.h's, measured 1.54 ms alone).
-      // - general kernels: claimed at the top (the round trip overlaps the waits for the first K
-      //   and Q slots) and worked out before the first load step, so that the block range (and
-      //   its segment summaries' loads) runs while that step waits for slots. After it, both ran
-      //   between this tile's loads and the meeting below, where the consumers waited for them
-      //   (ncu, H 128, causal on 4k rows: 1.7x plain causal's stall samples at the meeting).
-      constexpr bool kEarlyNext = kGeneral;
-      [[maybe_unused]] int claimed = 0;
-      if constexpr (kEarlyNext) claimed = leader ? sched.next(work.tile) : 0;
       int n = work.n_end - 1;
       // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
       load_k(n, write);
@@ -292,10 +276,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (leader) {
         ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
         copy(p.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQgQ, tQsQ);
-      }
-      if constexpr (kEarlyNext) {
-        const TileWork next = work_of(__shfl_sync(0xffffffffu, claimed, 0));
-        if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
       }
       // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
       // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
@@ -307,26 +287,43 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         --n;
       };
       // The first step's slots free during the previous tile: its loads go out before the wait
-      // below, which lasts until the consumers start this tile.
-      if (n > work.n_begin) load_step();
-      [[maybe_unused]] TileWork next{};
-      if constexpr (!kEarlyNext) {
-        next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
-        if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
+      // below, which lasts until the consumers start this tile (a tile of one block: its V).
+      const bool one_block = n == work.n_begin;
+      if (one_block) {
+        load_v(n, write);
+        ++write;
+      } else {
+        load_step();
       }
       // Consumer 0 leads the ping-pong, so it is met first.
       for (int w = 0; w < kNumMmaWarpGroups; ++w) tile_meeting(w);
+      // The next tile: claimed (sched.next), worked out (work_of) and handed to the consumers, who
+      // read it after the next meeting (SharedStorage::next_work). Here, after this meeting, the
+      // claim's round trip and the block range (with segment ids, the summaries' loads) run while
+      // the consumers compute this tile's first block and the next load step waits for its slots.
+      // Before, they ran ahead of this tile's first load step (general kernels) or of the meeting
+      // (plain ones), where the consumers waited for them (ncu, H 128, causal on 4k rows: 1.7x
+      // plain causal's stall samples at the meeting). Measured against that (H200, bf16,
+      // benchmarks/ab_sm90.sh --masks, two A/Bs on two machines, 2 rounds each; benchmarks/
+      // results/2026-11-23-nvidia-h200-masks-12.csv): 4 segments of 4096 2.1-2.4 % faster at H 128
+      // and 1.4-2.0 % at H 64; the other rows within the round-to-round noise (about +-3 %).
+      {
+        const TileWork next = work_of(__shfl_sync(0xffffffffu, leader ? sched.next(work.tile) : 0, 0));
+        if (leader) publish_work(ss.next_work[(iter + 1) & 1], next);
+      }
+      if (!one_block) {
 #pragma unroll 1
-      while (n > work.n_begin) load_step();
-      load_v(work.n_begin, write);
-      ++write;
-      // The general kernels read it back rather than keep it in registers through the loop (the
-      // producer has 24): the meetings above order lane 0's write before the other lanes' reads.
-      if constexpr (kEarlyNext)
-        work = announced_work(ss.next_work[(iter + 1) & 1]);
-      else
-        work = next;
+        while (n > work.n_begin) load_step();
+        load_v(work.n_begin, write);
+        ++write;
+      }
+      // Read back rather than kept in registers through the loop (the producer has 24); lane 0
+      // wrote it, no meeting since.
+      __syncwarp();
+      work = announced_work(ss.next_work[(iter + 1) & 1]);
     }
+    // One more meeting per consumer, where they read that no tile is left.
+    for (int w = 0; w < kNumMmaWarpGroups; ++w) tile_meeting(w);
     // Do not exit while a consumer may still arrive on a barrier of this CTA.
     pipeline_k.producer_tail(write);
     pipeline_v.producer_tail(write);
@@ -381,9 +378,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // other general tiles stayed level.
   constexpr bool kPinSoftmax = !(kGeneral && kNumMmaWarpGroups == 3);
   float& softmax_sink = ss.softmax_sink[tid];
+  // The first tile's meeting: at each, the producer is loading the tile that follows it.
+  tile_meeting(mma_wg);
 #pragma unroll 1
   for (int iter = 0; work.tile < p.num_tiles; ++iter) {
-    tile_meeting(mma_wg);  // the next tile is drawn
     const TileCoord t = work.coord;
     const int m0 = t.m_block * kBlockM;
     int n = work.n_end - 1;
@@ -395,7 +393,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // general kernel's tile start took 1.5x plain causal's stall samples (ncu, H200, H 128,
     // causal on 4k rows, a window that hides nothing).
     [[maybe_unused]] TileRows<kRows> rows;
-    auto tests_of = [&](int n_block) {
+    auto tests_of = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
       return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block, kBlockN) : 0;
     };
     // Score modifiers touch every block (the full policy code). Without them a block whose
@@ -418,7 +416,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     float shift[kRows];
     // With ALiBi's term in the scores (the tensor cores' prefix) ALiBi is no score modifier: a block
     // whose elements need no test (kNeedsAlibiAbs among them) takes its shift alone.
-    auto general_scores = [&](auto& scores_rc, int n_block, int needs, bool alibi_in_scores) {
+    // The per-block lambdas are inlined by force: ptxas once compiled this one as a called function
+    // in the dropout kernel, with S in local memory (a 448-byte stack frame; 5.4x slower at H 128).
+    auto general_scores = [&](auto& scores_rc, int n_block, int needs,
+                              bool alibi_in_scores) CUTLASS_LAMBDA_FUNC_INLINE {
       const int n0 = n_block * kBlockN;
       if (score_mods && !alibi_in_scores) {
         apply_policy<kPolicies>(scores_rc, cS_rc, cS0_rc, p.attn, rows, t.batch, t.head, m0, n0, kBlockN, needs, shift);
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     [[maybe_unused]] const DropoutTile drop =
         kDropout ? dropout_tile(p.attn, t.batch, t.head, m0, cS_rc) : DropoutTile{};
     [[maybe_unused]] const int drop_col_shift = get<1>(cS_rc(0, 0)) - get<1>(cS0_rc(0, 0));
-    auto dropout = [&](int n_block) {
+    auto dropout = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
       if constexpr (kDropout) apply_dropout(tSrS_rc, drop, n_block * kBlockN + drop_col_shift, cS0_rc);
     };
     OnlineSoftmax<kRows> softmax;
@@ -480,7 +481,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // (softmax.h, kMaxGrowthLog2). Decided per warp, so that the warp skips or runs the FMULs as
     // one; tiles without kRescaleOnGrowthOnly (kernel_traits.h) scale on every block.
     bool rescale_o = false;
-    auto rescale_o_if_needed = [&] {
+    auto rescale_o_if_needed = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       if (!Traits::kRescaleOnGrowthOnly || __any_sync(0xffffffffu, rescale_o)) scale_rows(tOrO_rc, o_scale);
     };
 
@@ -488,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
     // Once its last Q·Kᵀ has finished, a consumer is done with Q: with an own O buffer, the next
     // tile's Q may load under this tile's last softmax, P·V and epilogue.
-    auto release_q_after = [&](int n_block) {
+    auto release_q_after = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
       if constexpr (!Traits::kOAliasesQ)
         if (n_block == work.n_begin) ss.q_empty.arrive();
     };
@@ -620,6 +621,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         ss.q_empty.arrive();
       }
     }
+    // The next tile's meeting, after which the producer's word on that tile may be read.
+    tile_meeting(mma_wg);
     work = announced_work(ss.next_work[(iter + 1) & 1]);
   }
   if (wg_tid == 0) tma_store_wait<0>();

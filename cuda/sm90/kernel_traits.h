@@ -188,10 +188,11 @@ struct SharedStorage {
   cutlass::arch::ClusterTransactionBarrier q_full;  // Q of the current tile has landed
   cutlass::arch::ClusterBarrier q_empty;            // consumers are done with Q (and O if aliased)
   // The tile after tile i, in next_work[(i + 1) % 2] (TileWork::tile >= num_tiles: none). Once
-  // per tile the producer warp and the consumers meet at a named barrier (all blocking, so that
-  // racecheck sees the order too): the producer writes tile i + 1 before the meeting at the start
-  // of tile i, the consumers read it after, at the end of tile i. Two slots: the write of tile
-  // i + 2 (after the next meeting) cannot touch the slot still being read.
+  // per tile, and once more at the end, the producer warp and each consumer warpgroup meet at a
+  // named barrier (all blocking, so that racecheck sees the order too): the producer writes tile
+  // i + 1 after the meeting of tile i, the consumers read it after the meeting of tile i + 1
+  // (where the producer is loading it). Two slots: the write of tile i + 2 (after that meeting)
+  // cannot touch the slot still being read, which every consumer read before arriving there.
   TileWork next_work[2];
   // One word per consumer thread that softmax_done() stores to (never read).
   float softmax_sink[Traits::kNumMmaThreads];
