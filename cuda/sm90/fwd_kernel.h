@@ -378,7 +378,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // other general tiles stayed level.
   constexpr bool kPinSoftmax = !(kGeneral && kNumMmaWarpGroups == 3);
   float& softmax_sink = ss.softmax_sink[tid];
-  // The first tile's meeting: at each, the producer is loading the tile that follows it.
+  // Meetings with the producer (which it reaches once it has issued that tile's first loads):
+  // this one for the first tile, then one at the end of each tile for the next.
   tile_meeting(mma_wg);
 #pragma unroll 1
   for (int iter = 0; work.tile < p.num_tiles; ++iter) {
