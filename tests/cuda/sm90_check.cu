@@ -13,7 +13,8 @@
 //                      one); mask: a BenchMask number (0 plain, 5 no-op window, 6 plain on T / 4,
 //                      7 dropout 0.1, 8 no-op window on T / 4, 9 one segment on T / 4; the T / 4
 //                      ones take a quarter of T), T: B = 16k / T
-// JFA_BENCH_ROUNDS=1 makes --masks print every round's time as well (ROUNDS lines).
+// JFA_BENCH_ROUNDS=1 makes --masks print every round's time as well (ROUNDS lines, in round
+// order); JFA_BENCH_FIXED_ORDER=1 times its problems in one fixed order (see bench_masks).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -505,9 +506,9 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
 }
 
 // Issue 5's speed table (--masks): per head dim, plain causal and each mask on the sm90 forward,
-// their timing rounds interleaved (round r times every problem once), so that clock and
-// temperature drift reach all of them alike; medians of the rounds, and each mask's median as
-// a percentage of plain causal at the same useful FLOPs.
+// their timing rounds interleaved (round r times every problem once, in a shuffled order), so
+// that clock and temperature drift reach all of them alike; medians of the rounds, and each
+// mask's median as a percentage of plain causal at the same useful FLOPs.
 static void bench_masks(DType dt, int H, int T, int N, int rounds) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
@@ -521,9 +522,23 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   for (auto& pr : probs)
     for (int i = 0; i < 3; ++i) CK(pr->forward(s, true));
+  // Each round times the problems in an order of its own (shuffled, seeded by the round), each
+  // after two untimed calls: in a fixed order each problem always followed the same one, whose
+  // clocks and power state it may inherit (4 segments of 4096 measured ~10 % slower than the same
+  // tiles as separate rows, timed after ALiBi against after a no-op window; 2026-11-23, H 128).
+  // JFA_BENCH_FIXED_ORDER=1 keeps the fixed order, without the untimed calls (the harness before).
+  const bool fixed_order = std::getenv("JFA_BENCH_FIXED_ORDER") != nullptr;
+  std::vector<size_t> order(probs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::vector<std::vector<float>> ms(probs.size());
-  for (int r = 0; r < rounds; ++r)
-    for (size_t i = 0; i < probs.size(); ++i) ms[i].push_back(probs[i]->time_ms(s, e0, e1, true));
+  for (int r = 0; r < rounds; ++r) {
+    if (!fixed_order) std::shuffle(order.begin(), order.end(), std::mt19937(unsigned(r)));
+    for (size_t i : order) {
+      if (!fixed_order)
+        for (int w = 0; w < 2; ++w) CK(probs[i]->forward(s, true));
+      ms[i].push_back(probs[i]->time_ms(s, e0, e1, true));
+    }
+  }
   const double plain = probs[0]->flops / median(ms[0]) * 1e-9;
   const double plain_quarter = probs[1]->flops / median(ms[1]) * 1e-9;
   for (size_t i = 0; i < probs.size(); ++i) {
