@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const MaskParams& mp = p.attn.mask;
     [[maybe_unused]] const float prefix_slope =
         kAlibiPrefix && mp.alibi_slopes != nullptr
-            ? mp.alibi_slopes[t.batch * mp.alibi_batch_stride + t.head] * (kLog2eF / p.attn.scale_log2)
+            ? mp.alibi_slope(t.batch, t.head) * (kLog2eF / p.attn.scale_log2)
             : 0.f;
     // The per-row shift of the block's scores (apply_policy: ALiBi), which the softmax adds; only
     // ALiBi sets one, so the other sets' kernels run the softmax without it.

@@ -138,6 +138,8 @@ struct MaskParams {
     return softcap > 0.f || bias != nullptr || alibi_slopes != nullptr;
   }
   JFA_HOST_DEVICE bool has_dropout() const { return dropout_rate > 0.f; }
+  // The ALiBi slope of batch element b, head n (alibi_slopes given).
+  JFA_HOST_DEVICE float alibi_slope(int64_t b, int64_t n) const { return alibi_slopes[b * alibi_batch_stride + n]; }
   // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
   JFA_HOST_DEVICE bool has_element_mask() const { return mask != nullptr; }
   // Whether any feature beyond plain/causal (top-left) attention is on: kernels that specialize

@@ -105,7 +105,7 @@ __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const 
                                    int64_t(i) * m.bias_strides.row
                              : nullptr;
   r.bias_col = int(m.bias_strides.col);
-  r.slope = m.alibi_slopes != nullptr ? m.alibi_slopes[b * m.alibi_batch_stride + n] : 0.f;
+  r.slope = m.alibi_slopes != nullptr ? m.alibi_slope(b, n) : 0.f;
   return r;
 }
 

@@ -28,7 +28,7 @@ JFA_HOST_DEVICE float additive_bias(const AttentionParams& p, const SequenceBoun
   }
   if (m.alibi_slopes != nullptr) {
     const int64_t d = i + s.offset - j;
-    add -= m.alibi_slopes[b * m.alibi_batch_stride + n] * static_cast<float>(d < 0 ? -d : d);
+    add -= m.alibi_slope(b, n) * static_cast<float>(d < 0 ? -d : d);
   }
   return add;
 }
