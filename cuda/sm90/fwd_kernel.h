@@ -133,9 +133,10 @@ __forceinline__ __device__ void tile_meeting(int w) {
   asm volatile("barrier.sync %0, %1;" ::"r"(kBarTileFirst + w), "r"(128 + 32) : "memory");
 }
 
-// The smem words through which the producer hands out tiles: the named barrier orders the
-// accesses for the hardware, the volatile accesses and compiler fences for the compiler (CUTLASS's
-// barrier asm declares no memory clobber).
+// The smem words through which the producer hands out tiles: the tile meetings (named barriers)
+// order the accesses between the producer and the consumers, __syncwarp the producer lanes' read
+// back of lane 0's write, for the hardware; the volatile accesses and compiler fences do it for
+// the compiler (CUTLASS's barrier asm declares no memory clobber).
 __forceinline__ __device__ void publish_work(TileWork& slot, const TileWork& w) {
   asm volatile("" ::: "memory");
   volatile int* words = reinterpret_cast<volatile int*>(&slot);
