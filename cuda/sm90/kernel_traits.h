@@ -142,14 +142,23 @@ struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256,
 //             on window, ALiBi and segment ids (4096-key segments also end on 128-key tiles).
 //   hdim 256: 128 x 64: 89 / 83 / 72 / 81 / 69, against causal's 128 x 80: 90 / 80 / 67 / 75 / 69 and
 //             128 x 48: 79 / 74 / 66 / 72 / 61 (S 32 instead of 40 f32 per thread beside O's 128).
-template <typename Element, int kHeadDim>
+// kPositionsOnly: the tiles of the kernel with position tests alone (mask.h, kPolicyPositions:
+// windows, lengths, causal alignment), whose smaller policy code leaves H 64 room for plain
+// causal's 192 x 128 (ptxas today: no spills; the ALiBi, data and all-policies sets' kernels
+// spill 172 / 152 / 300 bytes on it, against 112 / 72 / 100 on 192 x 112). Measured against
+// 192 x 112 (H200, bf16, causal 16k, benchmarks/ab_sm90.sh --masks, two machines, 3 and 2
+// interleaved rounds; benchmarks/results/2026-11-23-nvidia-h200-masks-13.csv): window (2048, 0)
+// 5.3 / 5.1 % faster, a window that hides nothing 3.3 / 4.1 % (16k rows) and 4.1 / 4.8 % (4k rows).
+template <typename Element, int kHeadDim, bool kPositionsOnly = false>
 struct GeneralFwdConfig {
   using Traits = typename FwdConfig<Element, kHeadDim, true>::Traits;
 };
-template <typename Element>
-struct GeneralFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 192, 112, 2>; };
-template <typename Element>
-struct GeneralFwdConfig<Element, 256> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
+template <typename Element, bool kPositionsOnly>
+struct GeneralFwdConfig<Element, 64, kPositionsOnly> {
+  using Traits = FwdTraits<Element, 64, 192, kPositionsOnly ? 128 : 112, 2>;
+};
+template <typename Element, bool kPositionsOnly>
+struct GeneralFwdConfig<Element, 256, kPositionsOnly> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
 
 // Dropout's tiles: the general ones with two consumers (its Philox calls need registers that H 64's
 // three consumers at 160 registers each do not have).

@@ -71,11 +71,12 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 // measured 99.7 / 96.6 / 96.1 % of plain causal on it at H 64 / 128 / 256, against 98.7 / 100.8 /
 // 100.5 % before the prefix (H200, bf16, causal 16k, sm90_check --masks; benchmarks/results/
 // 2026-11-23-nvidia-h200-masks-10.csv and -masks-9.csv).
-template <typename Traits>
+// PositionsTraits: the positions-only kernel's tiles (GeneralFwdConfig's kPositionsOnly).
+template <typename Traits, typename PositionsTraits = Traits>
 cudaError_t launch_general(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kAlibiSet = kPolicyPositions | kPolicyAlibi, kDataSet = kPolicyPositions | kPolicyData;
   const int needed = policies_needed(p.mask);
-  if (needed == kPolicyPositions) return launch_fwd<Traits, false, kPolicyPositions>(p, stream);
+  if (needed == kPolicyPositions) return launch_fwd<PositionsTraits, false, kPolicyPositions>(p, stream);
   if ((needed & ~kAlibiSet) == 0) return launch_fwd<Traits, false, kAlibiSet>(p, stream);
   if ((needed & ~kDataSet) == 0) return launch_fwd<Traits, false, kDataSet>(p, stream);
   return launch_fwd<Traits, false, kPolicyAll>(p, stream);
@@ -88,12 +89,14 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Short = FwdTraits<Element, kHeadDim, 128, 128, 2>;
   if (p.mask.has_dropout()) return run_fwd_dropout<Element, kHeadDim>(p, stream);
   // Masks and score modifiers: the general kernel, on tiles whose registers leave room for the
-  // policy code (GeneralFwdConfig). H 64 takes 128 x 128 with segment ids (kernel_traits.h) and,
-  // as plain causal does below (measured there, not on this path), for short sequences.
+  // policy code (GeneralFwdConfig; at H 64 the positions-only kernel's are plain causal's). H 64
+  // takes 128 x 128 with segment ids (kernel_traits.h) and, as plain causal does below (measured
+  // there, not on this path), for short sequences.
   if (p.mask.active()) {
     if constexpr (kHeadDim == 64)
       if (p.mask.q_segment_ids != nullptr || p.T <= 1536) return detail::launch_general<Short>(p, stream);
-    return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits>(p, stream);
+    return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits,
+                                  typename GeneralFwdConfig<Element, kHeadDim, true>::Traits>(p, stream);
   }
   // Short sequences: 128 x 128 tiles with two consumers (and an own O buffer) where FwdConfig's
   // tile loses. Measured on an H200 (bf16, B·T = 16k, N·H = 2048; tests/cuda/sm90_check.cu), TFLOP/s:
