@@ -524,9 +524,11 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
     for (int i = 0; i < 3; ++i) CK(pr->forward(s, true));
   // Each round times the problems in an order of its own (shuffled, seeded by the round), each
   // after two untimed calls: in a fixed order each problem always followed the same one, whose
-  // clocks and power state it may inherit (4 segments of 4096 measured ~10 % slower than the same
-  // tiles as separate rows, timed after ALiBi against after a no-op window; 2026-11-23, H 128).
-  // JFA_BENCH_FIXED_ORDER=1 keeps the fixed order, without the untimed calls (the harness before).
+  // clocks and power state it inherited. Measured (H200, 2026-11-23, masks-13.csv): plain causal,
+  // timed after dropout, ran 3-4 % faster than shuffled, and 4 segments of 4096 (after ALiBi) 10 %
+  // slower than the same tiles as separate rows (after a no-op window), against 1-3 % shuffled
+  // and the same cycles under ncu. JFA_BENCH_FIXED_ORDER=1 keeps the fixed order, without the
+  // untimed calls (the harness before).
   const bool fixed_order = std::getenv("JFA_BENCH_FIXED_ORDER") != nullptr;
   std::vector<size_t> order(probs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
