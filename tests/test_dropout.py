@@ -10,6 +10,7 @@ import pytest
 
 import jax_flashattn as jfa
 from jax_flashattn import dropout
+from test_masks import combo_keywords
 from util import compare_with_reference, fresh_seed, random_qkv
 
 
@@ -65,6 +66,17 @@ def test_traced_key_under_jit_matches_eager():
                          ids=["plain", "causal+lengths", "window+softcap"])
 def test_forward_and_gradients_match_reference_with_the_same_mask(kw):
     check_dropout_against_reference(fresh_seed(), (2, 70, 45, 4, 2, 32), kw)
+
+
+@pytest.mark.parametrize("combo", [("window", "segments", "q_lengths", "alibi_per_batch", "softcap"),
+                                   ("causal_window", "segments", "alibi", "kv_lengths", "bottom_right")],
+                         ids="+".join)
+def test_dropout_with_masks_and_modifiers_combined(combo):
+    """Dropout on top of test_masks' combinations (and a bias): its mask is still the NumPy one,
+    applied after every other mask and modifier, forward and gradients."""
+    seed, shape = fresh_seed(), (2, 70, 45, 4, 2, 32)
+    B, T, S, N, K, H = shape
+    check_dropout_against_reference(seed, shape, combo_keywords(combo, seed, B, T, S, N))
 
 
 def check_dropout_against_reference(seed, shape, kw, dtype=jnp.float32):

@@ -222,8 +222,8 @@ from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
 from test_dropout import check_dropout_against_reference  # noqa: E402
 from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, check_combined,  # noqa: E402
-                        check_fully_masked_rows, check_low_precision_combination, check_zero_scale,
-                        combo_keywords)
+                        check_fully_masked_rows, check_low_precision_combination,
+                        check_masked_rows_pass_no_gradient, check_zero_scale, combo_keywords)
 from util import compare_with_reference  # noqa: E402
 
 # Kernel tiles are larger on the GPU (forward 128 x 64..128, backward 64..128 x 64..128): "big"
@@ -278,6 +278,12 @@ def test_mask_combined_both_dtypes_on_gpu(dtype):
 def test_fully_masked_rows_on_gpu():
     """Rows past their length and rows whose window holds no key: o = 0, lse = -inf, no grads."""
     check_fully_masked_rows(fresh_seed(), (2, 150, 140, 2, 1, 64), q_len0=70, kv_len1=5, dtype=BF16)
+
+
+@pytest.mark.parametrize("how", ["mask", "segments"])
+@pytest.mark.parametrize("H", [64, 128])
+def test_rows_emptied_by_masks_pass_no_gradient_on_gpu(how, H):
+    check_masked_rows_pass_no_gradient(fresh_seed(), (2, 300, 260, 4, 2, H), how, dtype=BF16)
 
 
 @pytest.mark.parametrize("axes", BROADCASTS)

@@ -106,6 +106,40 @@ def check_fully_masked_rows(seed, shape, q_len0, kv_len1, dtype=jnp.float32):
     assert not np.any(np.asarray(grads[0][1], np.float32))  # no gradient reaches the empty element
 
 
+def check_masked_rows_pass_no_gradient(seed, shape, how, dtype=jnp.float32):
+    """Rows emptied by a boolean mask or by a segment id no key has, with a bias, ALiBi, causality
+    and dropout on: o = 0 and lse = -inf there, and cotangents on those rows alone (of o and of
+    the LSE) give exactly zero dq, dk, dv and d(bias)."""
+    B, T, S, N, K, H = shape
+    q, k, v = random_qkv(seed, B, T, S, N, K, H, dtype=dtype)
+    empty = np.zeros((B, T), bool)
+    empty[0, T // 8: T // 3] = True
+    empty[-1, T - T // 4:] = True
+    if how == "mask":
+        kw = dict(mask=jnp.asarray(np.broadcast_to(~empty[:, None, :, None], (B, 1, T, S))))
+    else:
+        kw = dict(q_segment_ids=jnp.asarray(np.where(empty, 7, 0), jnp.int32),
+                  kv_segment_ids=jnp.zeros((B, S), jnp.int32))
+    kw.update(is_causal=True, alibi_slopes=jnp.linspace(0.05, 0.3, N, dtype=jnp.float32),
+              dropout_rate=0.2, dropout_rng=jax.random.key(seed + 3))
+    bias = jax.random.normal(jax.random.key(seed + 1), (1, N, T, S)).astype(dtype)
+    f = lambda q, k, v, b: jfa.flash_attention(q, k, v, bias=b, return_lse=True, **kw)  # noqa: E731
+    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, bias)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert not np.any(out[empty]) and np.all(np.isneginf(lse[empty])), f"seed {seed}"
+    assert np.all(np.isfinite(lse[~empty])), f"seed {seed}: rows that see keys"
+    keys = jax.random.split(jax.random.key(seed + 2))
+    do = (jax.random.normal(keys[0], out.shape) * empty[:, :, None, None]).astype(dtype)
+    dlse = jax.random.normal(keys[1], lse.shape) * empty[:, :, None]
+    for name, g in zip(("dq", "dk", "dv", "dbias"), vjp((do, dlse))):
+        assert not np.any(np.asarray(g, np.float32)), f"seed {seed}: {name} of empty rows is not 0"
+
+
+@pytest.mark.parametrize("how", ["mask", "segments"])
+def test_rows_emptied_by_masks_pass_no_gradient(how):
+    check_masked_rows_pass_no_gradient(fresh_seed(), (2, 40, 33, 2, 1, 16), how)
+
+
 def check_zero_scale(seed, shape, alibi, dtype=jnp.float32):
     """scale = 0: attention uniform over each row's visible keys (ALiBi aside), forward and
     gradients (those of q and k exactly 0). Query ids alternate every 64 rows and keys change id
