@@ -152,6 +152,24 @@ def test_masks_and_bias_match_jax_nn(names, is_causal):
             assert rel_err(g, r) <= 4e-5, f"seed {seed}: {name} {rel_err(g, r)}"
 
 
+def test_our_keywords_give_flash_attentions_results():
+    """The drop-in's extra keywords (segment ids, alignment, softcap, ALiBi, dropout,
+    deterministic) reach the kernels as flash_attention's do: the same outputs and gradients."""
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, 2, 40, 33, 4, 2, 16)
+    ids_q = jnp.asarray(np.repeat([[0, 1]], 20, axis=1).repeat(2, 0), jnp.int32)
+    ids_k = jnp.asarray((np.arange(33) >= 15).astype(np.int32)[None].repeat(2, 0))
+    kw = dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(20, 0), q_segment_ids=ids_q,
+              kv_segment_ids=ids_k, softcap=5.0, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
+              dropout_rate=0.3, dropout_rng=jax.random.key(seed), deterministic=True)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, **kw) ** 2)  # noqa: E731
+    ours = jax.value_and_grad(loss(jfa.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    theirs = jax.value_and_grad(loss(jfa.flash_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(ours[0]) > 0
+
+
 def test_our_keywords_are_refused_by_the_jax_nn_passthrough():
     q, k, v = random_qkv(fresh_seed(), 1, 8, 8, 2, 2, 16)
     with pytest.raises(ValueError, match="softcap"):

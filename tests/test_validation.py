@@ -108,6 +108,10 @@ def _qkv():
      TypeError, ["query_seq_lengths", "int32"]),
     (dict(key_value_seq_lengths=jnp.array([3, 4, 5], jnp.int32)), ValueError,
      ["key_value_seq_lengths", "(3,)", "(2,)"]),
+    (dict(key_value_seq_lengths=jnp.array([3, 4], jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32)),
+     TypeError, ["key_value_seq_lengths", "int32"]),
+    (dict(q_segment_ids=jnp.zeros((2, 9), jnp.int32), kv_segment_ids=jnp.zeros((2, 12), jnp.int32)),
+     ValueError, ["q_segment_ids", "(2, 9)", "(2, 8)"]),
     (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, ["kv_segment_ids", "together"]),
     (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32)),
      ValueError, ["kv_segment_ids", "(2, 8)", "(2, 12)"]),
@@ -139,6 +143,13 @@ def test_mask_keyword_errors_name_the_argument(kw, error, words):
 def test_dropin_checks_our_keywords_too():
     with pytest.raises(ValueError, match="softcap"):
         jfa.dot_product_attention(*_qkv(), softcap=0.0)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        jfa.dot_product_attention(*_qkv(), dropout_rate=0.1)
+    with pytest.raises(ValueError, match=r"kv_segment_ids.*\(2, 12\).*got \(2, 8\)"):
+        jfa.dot_product_attention(*_qkv(), q_segment_ids=jnp.zeros((2, 8), jnp.int32),
+                                  kv_segment_ids=jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        jfa.dot_product_attention(*_qkv(), alibi_slopes=jnp.ones((3,)))
 
 
 def test_kernel_checks_operands_again():
