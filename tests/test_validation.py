@@ -108,7 +108,7 @@ def _qkv():
      TypeError, ["query_seq_lengths", "int32"]),
     (dict(key_value_seq_lengths=jnp.array([3, 4, 5], jnp.int32)), ValueError,
      ["key_value_seq_lengths", "(3,)", "(2,)"]),
-    (dict(key_value_seq_lengths=jnp.array([3, 4], jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32)),
+    (dict(key_value_seq_lengths=jnp.array([3, 4], jnp.uint32)),
      TypeError, ["key_value_seq_lengths", "int32"]),
     (dict(q_segment_ids=jnp.zeros((2, 9), jnp.int32), kv_segment_ids=jnp.zeros((2, 12), jnp.int32)),
      ValueError, ["q_segment_ids", "(2, 9)", "(2, 8)"]),
