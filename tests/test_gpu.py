@@ -221,7 +221,7 @@ def test_repeated_calls_are_deterministic_in_forward():
 from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
 from test_dropout import check_dropout_against_reference  # noqa: E402
-from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, check_combined,  # noqa: E402
+from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, _segments, check_combined,  # noqa: E402
                         check_fully_masked_rows, check_low_precision_combination,
                         check_masked_rows_pass_no_gradient, check_zero_scale, combo_keywords)
 from util import compare_with_reference  # noqa: E402
@@ -259,6 +259,31 @@ def test_mask_features_past_short_sequences_on_gpu(combo, H):
     """Past T = 1536 the Hopper forward's general path takes its long-sequence tiles (H 64:
     192 x 112 with three consumers; cuda/sm90/launch.h)."""
     check_combined(fresh_seed(), (1, 1700, 1800, 4, 2, H), combo, dtype=BF16)
+
+
+def _scattered_segments(seed, B, L):
+    """Runs of 1 to 300 positions with random ids of three: one id holds several runs of keys."""
+    rng = np.random.default_rng(seed)
+    ids = np.repeat(rng.integers(0, 3, size=(B, L)), rng.integers(1, 301, size=L), axis=1)[:, :L]
+    return jnp.asarray(ids, jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["packed", "scattered"])
+@pytest.mark.parametrize("H", [64, 128])
+def test_segment_ids_past_short_sequences_on_gpu(kind, H):
+    """Segment ids alone take a kernel of their own (cuda/sm90/launch.h; H 64: the 192 x 128 tile).
+    Packed sequences fold each row's segment into its key range (cuda/sm90/mask.h, tile_rows);
+    scattered ids cannot, and are tested per key."""
+    seed = fresh_seed()
+    if kind == "packed":
+        shape = (2, 1700, 1700, 4, 2, H)
+        ids = _segments(seed, 2, 1700, 4)
+        kw = dict(q_segment_ids=ids, kv_segment_ids=ids, is_causal=True)
+    else:
+        shape = (2, 1700, 1800, 4, 2, H)
+        kw = dict(q_segment_ids=_scattered_segments(seed, 2, 1700),
+                  kv_segment_ids=_scattered_segments(seed + 1, 2, 1800))
+    compare_with_reference(seed, shape, kw, dtype=BF16)
 
 
 @pytest.mark.parametrize("combo", [("causal", "q_lengths", "kv_lengths", "bottom_right"),

@@ -135,30 +135,37 @@ struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256,
 //   hdim  64: 192 x 112, 3 WGs: 97 / 75 / 71 / 61 / 58. 128 x 128 with 2 WGs: 89 / 72 / 63 / 73 / 52;
 //             192 x 96: 94 / 73 / 63 / 66 / 54; 192 x 128 spills 240 bytes (ptxas) in the policy
 //             code at 160 registers per consumer, 192 x 112 40 bytes (12 since the producer hands
-//             each tile over decoded: fwd_kernel.h, TileWork). Segment ids take 128 x 128
-//             (launch.h): a 192-row tile straddles more segment boundaries, and a straddling tile
-//             tests every element of both segments' keys.
+//             each tile over decoded: fwd_kernel.h, TileWork). The other sets' kernels take
+//             128 x 128 with segment ids (launch.h): a 192-row tile straddles more segment
+//             boundaries, which cost those kernels a test of every element of both segments' keys.
 //   hdim 128: causal's 128 x 128: 101 / 87 / 80 / 86 / 66; 128 x 112, 96 and 144 lose 3-10 points
 //             on window, ALiBi and segment ids (4096-key segments also end on 128-key tiles).
 //   hdim 256: 128 x 64: 89 / 83 / 72 / 81 / 69, against causal's 128 x 80: 90 / 80 / 67 / 75 / 69 and
 //             128 x 48: 79 / 74 / 66 / 72 / 61 (S 32 instead of 40 f32 per thread beside O's 128).
-// kPositionsOnly: the tiles of the kernel with position tests alone (mask.h, kPolicyPositions:
-// windows, lengths, causal alignment), whose smaller policy code leaves H 64 room for plain
-// causal's 192 x 128 (ptxas today: no spills; the ALiBi, data and all-policies sets' kernels
-// spill 172 / 152 / 300 bytes on it, against 112 / 72 / 100 on 192 x 112). Measured against
-// 192 x 112 (H200, bf16, causal 16k, benchmarks/ab_sm90.sh --masks, two machines, 3 and 2
-// interleaved rounds; benchmarks/results/2026-11-23-nvidia-h200-masks-13.csv): window (2048, 0)
-// 5.3 / 5.1 % faster, a window that hides nothing 3.3 / 4.1 % (16k rows) and 4.1 / 4.8 % (4k rows).
-template <typename Element, int kHeadDim, bool kPositionsOnly = false>
+// kLean: the tiles of the kernels with position tests alone (mask.h, kPolicyPositions: windows,
+// lengths, causal alignment) and with segment ids besides (kPolicySegments), whose smaller policy
+// code leaves H 64 room for plain causal's 192 x 128. ptxas today: no spills for positions alone,
+// 76 bytes for segment ids (values reloaded once per block); the ALiBi, data and all-policies
+// sets' kernels spilled 172 / 152 / 300 bytes on it (the latter two before apply_policy read the
+// segment ids in groups), and spill 112 / 48 / 72 on 192 x 112.
+// Measured (H200, bf16, causal 16k, benchmarks/ab_sm90.sh --masks, interleaved rounds):
+//   positions alone, against 192 x 112 (two machines, 3 and 2 rounds; benchmarks/results/
+//   2026-11-23-nvidia-h200-masks-13.csv): window (2048, 0) 5.3 / 5.1 % faster, a window that
+//   hides nothing 3.3 / 4.1 % (16k rows) and 4.1 / 4.8 % (4k rows);
+//   segment ids (4 x 4096 per 16k row), with rows' segments folded into their position bounds
+//   (mask.h, tile_rows), against 128 x 128 without the fold (-masks-14.csv): 3.6 % faster (2
+//   rounds); with the ids read all at once (132 bytes of spills) 3.4 % faster, and on 192 x 112
+//   (no spills) 2.7 % (3 rounds, another machine).
+template <typename Element, int kHeadDim, bool kLean = false>
 struct GeneralFwdConfig {
   using Traits = typename FwdConfig<Element, kHeadDim, true>::Traits;
 };
-template <typename Element, bool kPositionsOnly>
-struct GeneralFwdConfig<Element, 64, kPositionsOnly> {
-  using Traits = FwdTraits<Element, 64, 192, kPositionsOnly ? 128 : 112, 2>;
+template <typename Element, bool kLean>
+struct GeneralFwdConfig<Element, 64, kLean> {
+  using Traits = FwdTraits<Element, 64, 192, kLean ? 128 : 112, 2>;
 };
-template <typename Element, bool kPositionsOnly>
-struct GeneralFwdConfig<Element, 256, kPositionsOnly> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
+template <typename Element, bool kLean>
+struct GeneralFwdConfig<Element, 256, kLean> { using Traits = FwdTraits<Element, 256, 128, 64, 2>; };
 
 // Dropout's tiles: the general ones with two consumers (its Philox calls need registers that H 64's
 // three consumers at 160 registers each do not have).

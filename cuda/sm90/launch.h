@@ -64,20 +64,22 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The general path: the smallest compiled policy set (mask.h) that covers the call. Four sets:
-// positions alone; positions and ALiBi; positions and the data masks; everything. Positions alone
-// is a set of its own because the ALiBi set's kernel carries the prefix (fwd_kernel.h,
-// kAlibiPrefix) in its loop and smem even when a call has no slopes: a window that hides nothing
-// measured 99.7 / 96.6 / 96.1 % of plain causal on it at H 64 / 128 / 256, against 98.7 / 100.8 /
-// 100.5 % before the prefix (H200, bf16, causal 16k, sm90_check --masks; benchmarks/results/
-// 2026-11-23-nvidia-h200-masks-10.csv and -masks-9.csv).
-// PositionsTraits: the positions-only kernel's tiles (GeneralFwdConfig's kPositionsOnly).
-template <typename Traits, typename PositionsTraits = Traits>
+// The general path: the smallest compiled policy set (mask.h) that covers the call. Five sets:
+// positions alone; positions and ALiBi; positions and segment ids; positions and the data masks
+// (segment ids, boolean mask); everything. Positions alone is a set of its own because the ALiBi
+// set's kernel carries the prefix (fwd_kernel.h, kAlibiPrefix) in its loop and smem even when a
+// call has no slopes: a window that hides nothing measured 99.7 / 96.6 / 96.1 % of plain causal on
+// it at H 64 / 128 / 256, against 98.7 / 100.8 / 100.5 % before the prefix (H200, bf16, causal
+// 16k, sm90_check --masks; benchmarks/results/2026-11-23-nvidia-h200-masks-10.csv and -masks-9.csv).
+// LeanTraits: the tiles of the positions-only and segment-ids kernels (GeneralFwdConfig's kLean).
+template <typename Traits, typename LeanTraits = Traits>
 cudaError_t launch_general(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int kAlibiSet = kPolicyPositions | kPolicyAlibi, kDataSet = kPolicyPositions | kPolicyData;
+  constexpr int kAlibiSet = kPolicyPositions | kPolicyAlibi, kSegmentsSet = kPolicyPositions | kPolicySegments,
+                kDataSet = kPolicyPositions | kPolicyData;
   const int needed = policies_needed(p.mask);
-  if (needed == kPolicyPositions) return launch_fwd<PositionsTraits, false, kPolicyPositions>(p, stream);
+  if (needed == kPolicyPositions) return launch_fwd<LeanTraits, false, kPolicyPositions>(p, stream);
   if ((needed & ~kAlibiSet) == 0) return launch_fwd<Traits, false, kAlibiSet>(p, stream);
+  if ((needed & ~kSegmentsSet) == 0) return launch_fwd<LeanTraits, false, kSegmentsSet>(p, stream);
   if ((needed & ~kDataSet) == 0) return launch_fwd<Traits, false, kDataSet>(p, stream);
   return launch_fwd<Traits, false, kPolicyAll>(p, stream);
 }
@@ -89,14 +91,16 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Short = FwdTraits<Element, kHeadDim, 128, 128, 2>;
   if (p.mask.has_dropout()) return run_fwd_dropout<Element, kHeadDim>(p, stream);
   // Masks and score modifiers: the general kernel, on tiles whose registers leave room for the
-  // policy code (GeneralFwdConfig; at H 64 the positions-only kernel's are plain causal's). H 64
-  // takes 128 x 128 with segment ids (kernel_traits.h) and, as plain causal does below (measured
-  // there, not on this path), for short sequences.
+  // policy code (GeneralFwdConfig; at H 64 the positions-only and segment-ids kernels' are plain
+  // causal's). H 64 takes 128 x 128 for short sequences, as plain causal does below (measured
+  // there, not on this path), and for the other sets' kernels with segment ids (kernel_traits.h).
+  using Lean = typename GeneralFwdConfig<Element, kHeadDim, true>::Traits;
   if (p.mask.active()) {
-    if constexpr (kHeadDim == 64)
-      if (p.mask.q_segment_ids != nullptr || p.T <= 1536) return detail::launch_general<Short>(p, stream);
-    return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits,
-                                  typename GeneralFwdConfig<Element, kHeadDim, true>::Traits>(p, stream);
+    if constexpr (kHeadDim == 64) {
+      if (p.T <= 1536) return detail::launch_general<Short>(p, stream);
+      if (p.mask.q_segment_ids != nullptr) return detail::launch_general<Short, Lean>(p, stream);
+    }
+    return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits, Lean>(p, stream);
   }
   // Short sequences: 128 x 128 tiles with two consumers (and an own O buffer) where FwdConfig's
   // tile loses. Measured on an H200 (bf16, B·T = 16k, N·H = 2048; tests/cuda/sm90_check.cu), TFLOP/s:

@@ -28,7 +28,13 @@ using namespace cute;
 // H 128, causal 16k), against 1 % on the plain path.
 // Dropout (dropout.h) is a set of its own, kPolicyAll | kPolicyDropout: one kernel, on tiles of its
 // own (launch.h, DropoutFwdConfig), compiled in a translation unit of its own.
-enum : int { kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicyData = 8, kPolicyDropout = 16 };
+// Segment ids alone (with positions) are a set of their own too: without the boolean mask's code
+// H 64 fits them on plain causal's 192 x 128 tile (launch.h).
+enum : int {
+  kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicySegments = 8, kPolicyDropout = 16,
+  kPolicyBoolMask = 32
+};
+enum : int { kPolicyData = kPolicySegments | kPolicyBoolMask };
 enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
 
 // Whether a kernel of policy set `policies` takes ALiBi's term on the tensor cores, as a k prefix of
@@ -42,7 +48,8 @@ inline int policies_needed(const MaskParams& m) {
   int set = kPolicyPositions;
   if (m.alibi_slopes != nullptr) set |= kPolicyAlibi;
   if (m.softcap > 0.f || m.bias != nullptr) set |= kPolicyScore;
-  if (m.q_segment_ids != nullptr || m.mask != nullptr) set |= kPolicyData;
+  if (m.q_segment_ids != nullptr) set |= kPolicySegments;
+  if (m.mask != nullptr) set |= kPolicyBoolMask;
   return set;
 }
 
@@ -69,7 +76,6 @@ struct TileRows {
   int lo[kRows], hi[kRows];  // keys [lo, hi) visible by position; empty past q_len and T
   int pos[kRows];            // the key-aligned position (ALiBi)
   int pos0;                  // that of the tile's first row: ALiBi's reference (apply_policy)
-  int seg[kRows];            // the segment id (with segment ids)
   float slope;               // the head's ALiBi slope (0 without)
   // Key blocks [lo, hi] (inclusive; empty when lo > hi) that need no position test for any of
   // this thread's rows, and those inside the tile's one-segment key run (with segment ids: keys
@@ -93,9 +99,48 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
     rows.lo[r] = in_t ? row.lo : 0;
     rows.hi[r] = in_t ? row.hi : 0;
     rows.pos[r] = i + int(bounds.offset);
-    rows.seg[r] = row.seg;
     rows.slope = row.slope;
   }
+  // With segment ids, first what they hide from this thread's rows, which the kernel needs tested
+  // per element only where positions cannot say it.
+  // 1. Its own rows' ids as key positions: a warp's rows of a wgmma accumulator are 16
+  //    consecutive ones, one summary chunk. If the chunk holds one id and every key with that id
+  //    lies in the chunk's match run (its key span, a superset of those keys, is that run, whose
+  //    keys all hold the id: jax_flashattn/_segment_chunks.py), the segment is the key range
+  //    [match begin, match end), and it joins the rows' position bounds: no block of this thread
+  //    then needs a segment test, and a 4096-key sequence's boundary inside a 192-row tile costs
+  //    the warps on either side a position test on their blocks at its edge. Packed sequences
+  //    always fold (their ids are sorted).
+  // 2. Otherwise, if the tile's queries hold one id (the run of one-id chunks around its first
+  //    chunk covers it), the keys [seg_begin, seg_end) of the run of one-id kv chunks with that id
+  //    where its key span starts (the chunk's match run): blocks inside it (n0 >= seg_begin,
+  //    min(n0 + kBlockN, S) <= seg_end) need no segment test. One load: worked out here from the
+  //    kv summaries it was a chain of three dependent loads, which each tile waited out before its
+  //    first block (the first block's tests need it).
+  int seg_begin = 0, seg_end = 0;
+  const MaskParams& m = p.mask;
+  if ((kPolicies & kPolicySegments) && m.q_segment_chunks != nullptr) {
+    const SegmentChunk* q_chunks = segment_chunk_row(m.q_segment_chunks, batch, int(p.T));
+    const int own_chunk = min(m0 + get<0>(coords(0, 0)), int(p.T) - 1) / kSegmentChunk;
+    const bool one_chunk = own_chunk == min(m0 + get<0>(coords(kRows - 1, 0)), int(p.T) - 1) / kSegmentChunk;
+    const int4 own_ids = __ldg(&q_chunks[own_chunk].ids_span), own_run = __ldg(&q_chunks[own_chunk].run);
+    const int4 run = __ldg(&q_chunks[m0 / kSegmentChunk].run);
+    if (one_chunk && own_ids.x == own_ids.y && own_run.z < own_run.w && own_ids.z == own_run.z &&
+        own_ids.w == own_run.w) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        rows.lo[r] = max(rows.lo[r], own_run.z);
+        rows.hi[r] = min(rows.hi[r], own_run.w);
+      }
+      seg_begin = 0;
+      seg_end = int(p.S);
+    } else if (run.x <= m0 && run.y >= min(m0 + kTileRowsM, int(p.T))) {
+      seg_begin = run.z;
+      seg_end = run.w;
+    }
+  }
+  rows.seg_free_lo = (seg_begin + kBlockN - 1) / kBlockN;
+  rows.seg_free_hi = seg_end >= int(p.S) ? INT_MAX : seg_end >= kBlockN ? (seg_end - kBlockN) / kBlockN : -1;
   // Blocks [n0, n0 + kBlockN) with lo <= n0 and n0 + kBlockN <= hi for every row (lo >= 0; rows
   // past T have hi = 0, so all their blocks are tested).
   int max_lo = 0, min_hi = INT_MAX;
@@ -106,24 +151,6 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
   }
   rows.pos_free_lo = (max_lo + kBlockN - 1) / kBlockN;
   rows.pos_free_hi = min_hi >= kBlockN ? (min_hi - kBlockN) / kBlockN : -1;
-  // With segment ids: if the tile's queries hold one id (the run of one-id chunks around its first
-  // chunk covers it), the keys [seg_begin, seg_end) of the run of one-id kv chunks with that id
-  // where its key span starts (the chunk's match run, jax_flashattn/_segment_chunks.py): blocks
-  // inside it (n0 >= seg_begin, min(n0 + kBlockN, S) <= seg_end) need no segment test. Packed
-  // sequences give the whole sequence. One load: worked out here from the kv summaries it was a
-  // chain of three dependent loads, which each tile waited out before its first block (the first
-  // block's tests need it).
-  int seg_begin = 0, seg_end = 0;
-  const MaskParams& m = p.mask;
-  if ((kPolicies & kPolicyData) && m.q_segment_chunks != nullptr) {
-    const int4 run = __ldg(&segment_chunk_row(m.q_segment_chunks, batch, int(p.T))[m0 / kSegmentChunk].run);
-    if (run.x <= m0 && run.y >= min(m0 + kTileRowsM, int(p.T))) {
-      seg_begin = run.z;
-      seg_end = run.w;
-    }
-  }
-  rows.seg_free_lo = (seg_begin + kBlockN - 1) / kBlockN;
-  rows.seg_free_hi = seg_end >= int(p.S) ? INT_MAX : seg_end >= kBlockN ? (seg_end - kBlockN) / kBlockN : -1;
   return rows;
 }
 
@@ -139,16 +166,16 @@ enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlib
 template <int kPolicies, int kRows>
 __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n_block,
                                            int bn) {
-  constexpr bool kData = kPolicies & kPolicyData;
+  constexpr bool kSegments = kPolicies & kPolicySegments, kBoolMask = kPolicies & kPolicyBoolMask;
   const int n0 = n_block * bn;
-  int needs = kData && p.mask.mask != nullptr ? kNeedsMask : 0;
+  int needs = kBoolMask && p.mask.mask != nullptr ? kNeedsMask : 0;
   if (n_block < rows.pos_free_lo || n_block > rows.pos_free_hi) needs |= kNeedsPositions;
   if (alibi_on_tensor_cores(kPolicies) && p.mask.alibi_slopes != nullptr) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r)
       if (min(rows.hi[r], n0 + bn) - 1 > rows.pos[r]) needs |= kNeedsAlibiAbs;
   }
-  if (kData && p.mask.q_segment_ids != nullptr && (n_block < rows.seg_free_lo || n_block > rows.seg_free_hi))
+  if (kSegments && p.mask.q_segment_ids != nullptr && (n_block < rows.seg_free_lo || n_block > rows.seg_free_hi))
     needs |= kNeedsSegments;
   return needs;
 }
@@ -190,7 +217,8 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
                                              int head, int m0, int n0, int bn, int needs, float (&shift)[kRows],
                                              bool alibi_in_scores = false) {
   const MaskParams& m = p.mask;
-  constexpr bool kScore = kPolicies & kPolicyScore, kAlibi = kPolicies & kPolicyAlibi, kData = kPolicies & kPolicyData;
+  constexpr bool kScore = kPolicies & kPolicyScore, kAlibi = kPolicies & kPolicyAlibi;
+  constexpr bool kSegments = kPolicies & kPolicySegments, kBoolMask = kPolicies & kPolicyBoolMask;
   const bool has_softcap = kScore && m.softcap > 0.f;
   // Additive terms (natural units) to the logits' units: log2 e, over the scale when raw.
   const float add_scale = kLog2eF / (has_softcap ? 1.f : p.scale_log2);
@@ -198,6 +226,39 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
   const float softcap_in = has_softcap ? p.scale_log2 / softcap2 : 0.f;
   const int last_key = int(p.S) - 1, last_query = int(p.T) - 1;
   const int col_shift = n0 + get<1>(coords(0, 0)) - get<1>(coords0(0, 0));  // column = col_shift + c0
+  // Segment ids: bit c of same_segment[r] says whether this thread's column c holds row r's id.
+  // The ids are read in a loop of groups of 8 columns, not all at once: loads in flight each hold
+  // a register, and with all 32 of a 128-key block's in flight H 64's segment-ids kernel spilled
+  // more in its main loop on the 192 x 128 tile (ptxas: 132 bytes, 76 this way). The kernel runs
+  // this only for rows whose segment is no key range (tile_rows' fold): ids that are not packed
+  // sequences.
+  constexpr int kCols = decltype(size<1>(scores))::value;
+  static_assert(kCols <= 32, "same_segment holds one bit per column of a row");
+  uint32_t same_segment[kRows];
+  if (kSegments && (needs & kNeedsSegments)) {
+    // The rows' own ids are read here too, not kept from tile_rows: two registers fewer through
+    // the whole loop, for a test that packed sequences never need.
+    const int32_t* kv_seg = m.kv_segment_ids + int64_t(batch) * p.S;
+    const int32_t* q_seg = m.q_segment_ids + int64_t(batch) * p.T;
+    int seg[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      same_segment[r] = 0u;
+      seg[r] = q_seg[min(m0 + get<0>(coords(r, 0)), last_query)];
+    }
+#pragma unroll 1
+    for (int c8 = 0; c8 < kCols; c8 += 8) {
+      CUTE_UNROLL
+      for (int k = 0; k < 8; ++k) {
+        const int c = c8 + k;
+        if (kCols % 8 == 0 || c < kCols) {
+          const int id = kv_seg[min(col_shift + int(get<1>(coords0(0, c))), last_key)];
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) same_segment[r] |= uint32_t(id == seg[r]) << c;
+        }
+      }
+    }
+  }
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     shift[r] = 0.f;
@@ -263,14 +324,12 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         if (c0 < lo || c0 >= hi) scores(r, c) = -INFINITY;
       }
     }
-    if (kData && (needs & kNeedsSegments)) {
-      const int32_t* kv_seg = m.kv_segment_ids + int64_t(batch) * p.S;
-      const int seg = rows.seg[r];
+    if (kSegments && (needs & kNeedsSegments)) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c)
-        if (kv_seg[min(col_shift + get<1>(coords0(r, c)), last_key)] != seg) scores(r, c) = -INFINITY;
+        if (((same_segment[r] >> c) & 1u) == 0) scores(r, c) = -INFINITY;
     }
-    if (kData && (needs & kNeedsMask)) {
+    if (kBoolMask && (needs & kNeedsMask)) {
       const Strides4& st = m.mask_strides;
       const uint8_t* mask = m.mask + batch * st.batch + head * st.head + i * st.row;
       const int col = int(st.col);

@@ -52,7 +52,10 @@ enum Feature : int {
   // fp16 fallback from the tensor cores' ALiBi prefix to the per-element term: fwd_kernel.h,
   // kAlibiPrefix). A steep slope itself would not do: the kernels keep ALiBi's term relative to the
   // tile's first row (mask.h, apply_policy), so float holds slope · 192 to ~1e-7 relative only.
-  kSteepAlibi = 512
+  kSteepAlibi = 512,
+  // Segment ids that are not packed sequences: runs of random ids, so one id holds several runs of
+  // keys (tile_rows then cannot fold a row's segment into its position bounds: mask.h).
+  kScatteredSegments = 1024
 };
 
 struct Config {
@@ -95,6 +98,16 @@ static std::vector<int32_t> packed_segments(int len, int count, std::mt19937& rn
   return ids;
 }
 
+// Runs of 1 to 400 positions, each of a random id of three: the ids repeat out of order.
+static std::vector<int32_t> scattered_segments(int len, std::mt19937& rng) {
+  std::vector<int32_t> ids;
+  while (int(ids.size()) < len) {
+    const int run = 1 + int(rng() % 400), id = int(rng() % 3);
+    for (int i = 0; i < run && int(ids.size()) < len; ++i) ids.push_back(id);
+  }
+  return ids;
+}
+
 static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
   jfa::MaskParams& h = m.host;
   if (c.features & kWindow) { h.window_left = 37; h.window_right = 5; }
@@ -105,13 +118,15 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
       m.q_len.push_back(b == 0 ? int(rng() % 3) : int(rng() % (c.T + 1)));
       m.kv_len.push_back(b == 0 ? 1 + int(rng() % 5) : int(rng() % (c.S + 1)));
     }
-  if (c.features & kSegments)
+  const bool scattered = (c.features & kScatteredSegments) != 0;
+  if (c.features & (kSegments | kScatteredSegments))
     for (int b = 0; b < c.B; ++b) {
-      auto q = packed_segments(c.T, 3, rng), k = packed_segments(c.S, 3, rng);
+      auto q = scattered ? scattered_segments(c.T, rng) : packed_segments(c.T, 3, rng);
+      auto k = scattered ? scattered_segments(c.S, rng) : packed_segments(c.S, 3, rng);
       m.q_seg.insert(m.q_seg.end(), q.begin(), q.end());
       m.kv_seg.insert(m.kv_seg.end(), k.begin(), k.end());
     }
-  if (c.features & kSegments) {
+  if (c.features & (kSegments | kScatteredSegments)) {
     m.q_chunks = segment_chunks(m.q_seg, c.T, m.kv_seg, c.S, c.B);
     m.kv_chunks = segment_chunks(m.kv_seg, c.S, m.q_seg, c.T, c.B);
   }
@@ -649,6 +664,8 @@ int main(int argc, char** argv) {
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
       cases.push_back({1, 1600, 2100, 2, 1, H, true, BF, 0, kWindow | kAlibi});  // H 64's 192-row tiles
+      cases.push_back({1, 1700, 1700, 2, 1, H, true, BF, 0, kSegments});
+      cases.push_back({1, 1700, 2100, 2, 1, H, false, FP, 0, kScatteredSegments});
       cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
@@ -684,6 +701,11 @@ int main(int argc, char** argv) {
       cases.push_back({1, 1700, 2100, 4, 1, H, true, BF, 0, kSteepAlibi});
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
       cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
+      // Segment ids alone past T = 1536: H 64's segment-ids kernel on its own tiles (launch.h),
+      // packed (each row's segment folds into its position bounds) and scattered (tested per key).
+      cases.push_back({2, 1700, 2100, 4, 2, H, true, BF, 0, kSegments | kLengths});
+      cases.push_back({2, 2000, 2000, 4, 2, H, true, BF, 0, kScatteredSegments});
+      cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 8, kScatteredSegments | kWindow | kBottomRight});
       // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
       cases.push_back({1, 1700, 2100, 4, 2, H, true, BF, 0, kWindow | kAlibi | kLengths | kSoftcap});
       cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 0, kBias | kMask | kBottomRight | kWindow});
