@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .attention import flash_attention
 
@@ -44,6 +46,33 @@ def _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1:
             raise ValueError(f"varlen_attention: {name} must be a static int >= 1, got {m!r}")
+    for side, cu, rows, max_len in (("q", cu_seqlens_q, query.shape[0], max_seqlen_q),
+                                    ("k", cu_seqlens_k, key.shape[0], max_seqlen_k)):
+        _check_offsets(f"cu_seqlens_{side}", _concrete(cu), rows, f"max_seqlen_{side}", max_len)
+
+
+def _concrete(x):
+    """x as a NumPy array, or None while it is traced (its values then reach only the kernels)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _check_offsets(name, cu, rows, max_name, max_len):
+    """Offsets known at trace time must be sequences: from 0 up, within the packed rows, none
+    longer than max_seqlen. (Traced offsets cannot be checked: a longer sequence is then cut at
+    max_seqlen, and rows outside [cu[0], cu[-1]) belong to no sequence.)"""
+    if cu is None:
+        return
+    lengths = np.diff(cu)
+    if cu[0] < 0 or np.any(lengths < 0) or cu[-1] > rows:
+        raise ValueError(f"varlen_attention: {name} must rise from 0 or more to at most the "
+                         f"{rows} packed rows, got {cu.tolist()}")
+    if lengths.max() > max_len:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"varlen_attention: sequence {b} has {int(lengths[b])} rows ({name}[{b}:{b + 2}] = "
+                         f"{cu[b:b + 2].tolist()}), more than {max_name}={max_len}")
 
 
 def _pad(x, cu, lengths, max_len):
@@ -100,8 +129,10 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_
         cu_seqlens_k None, or the very same array as cu_seqlens_q: self-attention over the
         same packing. It and calls without positions (no causal, window or ALiBi) run without
         padding (module docstring).
-      max_seqlen_q, max_seqlen_k: static ints, at least the longest query / key sequence
-        (longer sequences are cut there).
+      max_seqlen_q, max_seqlen_k: static ints, at least the longest query / key sequence.
+        A longer one is an error where cu_seqlens are known at trace time (concrete arrays,
+        closed over or passed outside jit); traced ones cannot be checked, and a longer
+        sequence is then cut there.
       return_lse: also return the LSE, float32 [total_T, N].
       **keywords: flash_attention's keywords (scale, is_causal, causal_alignment,
         local_window_size, softcap, alibi_slopes [N] or [num_seqs, N], dropout_rate,

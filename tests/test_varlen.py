@@ -93,6 +93,24 @@ def test_bad_arguments_are_named():
                              query_seq_lengths=jnp.array([1, 2], jnp.int32))
 
 
+def test_offsets_known_at_trace_time_are_checked():
+    """Concrete cu_seqlens: a sequence longer than max_seqlen, falling offsets and offsets past
+    the packed rows name the argument. Traced ones cannot be checked: a longer sequence is cut."""
+    q, k, v, cu_q, cu_k = _packed(fresh_seed(), [2, 5], [3, 4], extra_rows=0)
+    with pytest.raises(ValueError, match=r"sequence 1 has 5 rows \(cu_seqlens_q\[1:3\] = \[2, 7\]\), "
+                                         r"more than max_seqlen_q=4"):
+        jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=4)
+    with pytest.raises(ValueError, match="max_seqlen_k=3"):
+        jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=5, max_seqlen_k=3)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must rise .* 7 packed rows, got \[0, 5, 3\]"):
+        jfa.varlen_attention(q, k, v, cu_q, jnp.array([0, 5, 3], jnp.int32), max_seqlen_q=5, max_seqlen_k=5)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must rise .* 7 packed rows, got \[0, 2, 9\]"):
+        jfa.varlen_attention(q, k, v, jnp.array([0, 2, 9], jnp.int32), cu_k, max_seqlen_q=9, max_seqlen_k=5)
+    # Traced offsets: sequence 1's query rows past max_seqlen_q = 4 give 0 (documented cut).
+    out = jax.jit(lambda cq, ck: jfa.varlen_attention(q, k, v, cq, ck, max_seqlen_q=4, max_seqlen_k=4))(cu_q, cu_k)
+    assert np.all(np.asarray(out[6:]) == 0) and np.all(np.any(np.asarray(out[:6]) != 0, axis=(1, 2)))
+
+
 SELF_KW = [dict(), dict(is_causal=True), dict(is_causal=True, causal_alignment="bottom_right"),
            dict(local_window_size=(4, 2), softcap=3.0, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4])),
            dict(is_causal=True, deterministic=True)]
