@@ -272,12 +272,14 @@ def _scattered_segments(seed, B, L):
 @pytest.mark.parametrize("H", [64, 128])
 def test_segment_ids_past_short_sequences_on_gpu(kind, H):
     """Segment ids alone take a kernel of their own (cuda/sm90/launch.h; H 64: the 192 x 128 tile).
-    Packed sequences fold each row's segment into its key range (cuda/sm90/mask.h, tile_rows);
-    scattered ids cannot, and are tested per key."""
+    Rows whose segment the summaries prove one key range fold it into their position bounds
+    (cuda/sm90/mask.h, tile_rows): packed sequences that start and end on 16-key chunks (the
+    first two of batch row 0); the others, and scattered ids, keep the per-key test."""
     seed = fresh_seed()
     if kind == "packed":
         shape = (2, 1700, 1700, 4, 2, H)
-        ids = _segments(seed, 2, 1700, 4)
+        lengths = ([256, 400, 37, 1007], [1000, 700])
+        ids = jnp.asarray(np.stack([np.repeat(np.arange(len(n)), n) for n in lengths]), jnp.int32)
         kw = dict(q_segment_ids=ids, kv_segment_ids=ids, is_causal=True)
     else:
         shape = (2, 1700, 1800, 4, 2, H)

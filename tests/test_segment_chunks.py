@@ -95,3 +95,41 @@ def test_sorted_ids_give_exact_spans():
         assert tuple(_tile_span(qs[0], 64 * s, 64, 256)) == (64 * s, 64 * s + 64)
         assert tuple(qs[0, 4 * s + 1, 4:6]) == (64 * s, 64 * s + 64)  # the run of one sequence
         assert tuple(qs[0, 4 * s + 1, 6:8]) == (64 * s, 64 * s + 64)  # and its keys
+
+
+def _folds(summary):
+    """Which chunks the Hopper kernel folds into key ranges (cuda/sm90/mask.h, tile_rows): one
+    id, a non-empty match run, and a key span equal to it."""
+    lo, hi, begin, end, _, _, mb, me = (summary[..., i] for i in range(8))
+    return (lo == hi) & (mb < me) & (begin == mb) & (end == me)
+
+
+def _chunk_aligned(rng, length, count):
+    cuts = np.sort(rng.integers(0, length // CHUNK + 1, size=count - 1)) * CHUNK
+    return np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["random_cuts", "chunk_aligned", "scattered"])
+@pytest.mark.parametrize("T,S", [(256, 256), (1700, 1700), (1000, 1300), (33, 500)])
+def test_folded_chunks_see_exactly_their_key_range(kind, T, S):
+    """A folded chunk's rows see exactly the keys [match begin, match end): every key with their
+    id lies there and nowhere else. Packed sequences on 16-key chunks always fold."""
+    rng = np.random.default_rng(T * 7 + S)
+    for _ in range(5):
+        if kind == "random_cuts":
+            q = np.sort(rng.integers(0, 4, T)).astype(np.int32)
+            k = np.sort(rng.integers(0, 4, S)).astype(np.int32)
+        elif kind == "chunk_aligned":
+            q, k = _chunk_aligned(rng, T, 4), _chunk_aligned(rng, S, 4)
+        else:
+            runs = lambda n: np.repeat(rng.integers(0, 3, n), rng.integers(1, 60, n))[:n].astype(np.int32)  # noqa: E731
+            q, k = runs(T), runs(S)
+        qs = np.asarray(segment_chunks(q[None], k[None])[0])[0]
+        folds = _folds(qs)
+        for c in np.flatnonzero(folds):
+            mb, me = qs[c, 6:8]
+            assert np.array_equal(np.flatnonzero(k == q[c * CHUNK]), np.arange(mb, me)), (kind, c)
+        if kind == "chunk_aligned":
+            uniform = qs[:, 0] == qs[:, 1]
+            present = np.isin(qs[:, 0], k)
+            assert np.array_equal(folds, uniform & present), kind

@@ -110,7 +110,9 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
   //    [match begin, match end), and it joins the rows' position bounds: no block of this thread
   //    then needs a segment test, and a 4096-key sequence's boundary inside a 192-row tile costs
   //    the warps on either side a position test on their blocks at its edge. Packed sequences
-  //    always fold (their ids are sorted).
+  //    fold where their keys start and end on 16-key chunks (the summaries' grain); one that
+  //    starts or ends inside a chunk leaves that chunk mixed, its span wider than its run, and
+  //    its rows to 2.
   // 2. Otherwise, if the tile's queries hold one id (the run of one-id chunks around its first
   //    chunk covers it), the keys [seg_begin, seg_end) of the run of one-id kv chunks with that id
   //    where its key span starts (the chunk's match run): blocks inside it (n0 >= seg_begin,
@@ -230,8 +232,7 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
   // The ids are read in a loop of groups of 8 columns, not all at once: loads in flight each hold
   // a register, and with all 32 of a 128-key block's in flight H 64's segment-ids kernel spilled
   // more in its main loop on the 192 x 128 tile (ptxas: 132 bytes, 76 this way). The kernel runs
-  // this only for rows whose segment is no key range (tile_rows' fold): ids that are not packed
-  // sequences.
+  // this only on blocks that tile_rows could not clear of segment tests.
   constexpr int kCols = decltype(size<1>(scores))::value;
   static_assert(kCols <= 32, "same_segment holds one bit per column of a row");
   uint32_t same_segment[kRows];

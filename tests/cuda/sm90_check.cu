@@ -55,7 +55,10 @@ enum Feature : int {
   kSteepAlibi = 512,
   // Segment ids that are not packed sequences: runs of random ids, so one id holds several runs of
   // keys (tile_rows then cannot fold a row's segment into its position bounds: mask.h).
-  kScatteredSegments = 1024
+  kScatteredSegments = 1024,
+  // Packed sequences whose boundaries fall on the summaries' 16-position chunks, as the timed
+  // 4096-key sequences do: rows fold their segment into their position bounds (mask.h, tile_rows).
+  kChunkAlignedSegments = 2048
 };
 
 struct Config {
@@ -98,6 +101,16 @@ static std::vector<int32_t> packed_segments(int len, int count, std::mt19937& rn
   return ids;
 }
 
+// Sorted ids of `count` segments whose boundaries are multiples of jfa::kSegmentChunk.
+static std::vector<int32_t> chunk_aligned_segments(int len, int count, std::mt19937& rng) {
+  std::vector<int> cuts;
+  for (int s = 1; s < count; ++s) cuts.push_back(int(rng() % (len / jfa::kSegmentChunk + 1)) * jfa::kSegmentChunk);
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<int32_t> ids(len);
+  for (int i = 0; i < len; ++i) ids[i] = int32_t(std::upper_bound(cuts.begin(), cuts.end(), i) - cuts.begin());
+  return ids;
+}
+
 // Runs of 1 to 400 positions, each of a random id of three: the ids repeat out of order.
 static std::vector<int32_t> scattered_segments(int len, std::mt19937& rng) {
   std::vector<int32_t> ids;
@@ -118,15 +131,19 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
       m.q_len.push_back(b == 0 ? int(rng() % 3) : int(rng() % (c.T + 1)));
       m.kv_len.push_back(b == 0 ? 1 + int(rng() % 5) : int(rng() % (c.S + 1)));
     }
-  const bool scattered = (c.features & kScatteredSegments) != 0;
-  if (c.features & (kSegments | kScatteredSegments))
+  const bool scattered = (c.features & kScatteredSegments) != 0, aligned = (c.features & kChunkAlignedSegments) != 0;
+  auto segments = [&](int len) {
+    return scattered ? scattered_segments(len, rng) : aligned ? chunk_aligned_segments(len, 4, rng)
+                                                              : packed_segments(len, 3, rng);
+  };
+  if (c.features & (kSegments | kScatteredSegments | kChunkAlignedSegments))
     for (int b = 0; b < c.B; ++b) {
-      auto q = scattered ? scattered_segments(c.T, rng) : packed_segments(c.T, 3, rng);
-      auto k = scattered ? scattered_segments(c.S, rng) : packed_segments(c.S, 3, rng);
+      auto q = segments(c.T);
+      auto k = segments(c.S);
       m.q_seg.insert(m.q_seg.end(), q.begin(), q.end());
       m.kv_seg.insert(m.kv_seg.end(), k.begin(), k.end());
     }
-  if (c.features & (kSegments | kScatteredSegments)) {
+  if (c.features & (kSegments | kScatteredSegments | kChunkAlignedSegments)) {
     m.q_chunks = segment_chunks(m.q_seg, c.T, m.kv_seg, c.S, c.B);
     m.kv_chunks = segment_chunks(m.kv_seg, c.S, m.q_seg, c.T, c.B);
   }
@@ -665,6 +682,7 @@ int main(int argc, char** argv) {
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
       cases.push_back({1, 1600, 2100, 2, 1, H, true, BF, 0, kWindow | kAlibi});  // H 64's 192-row tiles
       cases.push_back({1, 1700, 1700, 2, 1, H, true, BF, 0, kSegments});
+      cases.push_back({1, 1700, 1700, 2, 1, H, true, BF, 0, kChunkAlignedSegments});
       cases.push_back({1, 1700, 2100, 2, 1, H, false, FP, 0, kScatteredSegments});
       cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
@@ -705,6 +723,9 @@ int main(int argc, char** argv) {
       // packed (each row's segment folds into its position bounds) and scattered (tested per key).
       cases.push_back({2, 1700, 2100, 4, 2, H, true, BF, 0, kSegments | kLengths});
       cases.push_back({2, 2000, 2000, 4, 2, H, true, BF, 0, kScatteredSegments});
+      cases.push_back({2, 1700, 1700, 4, 2, H, true, BF, 0, kChunkAlignedSegments | kLengths});
+      cases.push_back({2, 1000, 1300, 4, 2, H, false, FP, 0, kChunkAlignedSegments | kAlibi | kWindow});
+      cases.push_back({1, 1100, 1300, 4, 2, H, true, BF, 0, kChunkAlignedSegments | kDropout});
       cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 8, kScatteredSegments | kWindow | kBottomRight});
       // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
       cases.push_back({1, 1700, 2100, 4, 2, H, true, BF, 0, kWindow | kAlibi | kLengths | kSoftcap});
