@@ -25,8 +25,9 @@
 // per tile (mask.h, TileRows) and runs per block only the per-element tests its elements need
 // (block_needs: position bounds, which take in a row's segment where the summaries prove it one
 // key range, as for packed sequences on 16-key chunks; other segments outside the tile's
-// one-segment key run; the boolean mask); score modifiers run on every block (ALiBi on the tensor cores excepted, below). A tile
-// that sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
+// one-segment key run; the boolean mask); score modifiers run on every block (ALiBi on the
+// tensor cores excepted, below). A tile that sees no key visits block 0 fully masked, so it
+// writes O = 0 and LSE = -inf the usual way. With kPolicyDropout in kPolicies, each block's
 // probabilities are dropped after the softmax statistics (dropout.h), the row sums and LSE kept
 // dropout-free, and O's final scale takes the 1 / (1 - rate).
 //
