@@ -221,7 +221,7 @@ def test_repeated_calls_are_deterministic_in_forward():
 from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
 from test_dropout import check_dropout_against_reference  # noqa: E402
-from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, _segments, check_combined,  # noqa: E402
+from test_masks import (COMBOS, FEATURES, SHAPES as MASK_SHAPES, _keywords, check_combined,  # noqa: E402
                         check_fully_masked_rows, check_low_precision_combination,
                         check_masked_rows_pass_no_gradient, check_zero_scale, combo_keywords)
 from util import compare_with_reference  # noqa: E402

@@ -720,7 +720,8 @@ int main(int argc, char** argv) {
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
       cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
       // Segment ids alone past T = 1536: H 64's segment-ids kernel on its own tiles (launch.h),
-      // packed (each row's segment folds into its position bounds) and scattered (tested per key).
+      // packed at random boundaries and on 16-key chunks (where rows fold their segment into their
+      // position bounds: mask.h, tile_rows), and scattered (tested per key).
       cases.push_back({2, 1700, 2100, 4, 2, H, true, BF, 0, kSegments | kLengths});
       cases.push_back({2, 2000, 2000, 4, 2, H, true, BF, 0, kScatteredSegments});
       cases.push_back({2, 1700, 1700, 4, 2, H, true, BF, 0, kChunkAlignedSegments | kLengths});
