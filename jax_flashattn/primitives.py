@@ -121,6 +121,11 @@ def _dq_semaphores(T):
     return -(-T // 64)
 
 
+def _dq_lanes(config):
+    # Copies of the dQ accumulator: jfa::kDqLanes with deterministic=True (cuda/sm80/dq_accum.h).
+    return 2 if config.deterministic else 1
+
+
 def _dq_accum_rows(T):
     # Query rows of the dQ accumulator, padded as jfa::AttentionParams::dq_accum_rows() expects.
     align = 128  # jfa::kDqAccumRowAlign (cuda/include/jfa/params.h)
@@ -165,10 +170,12 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes.append(jax.ShapeDtypeStruct((B, N, -(-k.shape[1] // 64)) if slopes else (), jnp.float32))
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
     # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
-    # With deterministic=True, a semaphore per dQ tile orders the adds (zeroed by the kernels).
-    shapes += [jax.ShapeDtypeStruct((B, N, _dq_accum_rows(T), Hp), jnp.float32),
+    # With deterministic=True, a semaphore per dQ tile and lane orders the adds (zeroed by the
+    # kernels), and the accumulator has a copy per lane.
+    lanes = _dq_lanes(config)
+    shapes += [jax.ShapeDtypeStruct((lanes, B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((B, N, T), jnp.float32),
-               jax.ShapeDtypeStruct((B, N, _dq_semaphores(T)), jnp.int32)]
+               jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
     dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
         **_mask_ffi_attrs(scale, config), deterministic=np.int32(config.deterministic))

@@ -141,7 +141,9 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = ffi_decode::decode_dslopes(*dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
     return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
-  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {p.B, p.N, p.dq_accum_rows(), p.H},
+  // The deterministic mode's dQ lanes (sm80/dq_accum.h): kDqLanes copies of the accumulator.
+  const int64_t lanes = deterministic != 0 ? kDqLanes : 1;
+  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {lanes, p.B, p.N, p.dq_accum_rows(), p.H},
                                   ffi::DataType::F32);
       e.failure())
     return e;
@@ -150,8 +152,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure())
     return e;
   if (auto e = ffi_decode::expect(*dq_semaphore, "dq semaphore workspace",
-                                  {p.B, p.N, (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows},
-                                  ffi::DataType::S32);
+                                  {lanes, p.B, p.N, p.dq_semaphores_per_head()}, ffi::DataType::S32);
       e.failure())
     return e;
   if (deterministic != 0 && p.mask.dbias != nullptr) {

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const AttentionPara
 // ---------------------------------------------------------------------------------------------
 // 3. dq = scale · dq_accum. One CTA per query tile, reading the tile in the fragment order the main
 //    kernel wrote it (dq_accum.h), so it uses the same dQ mma partition to find each value's place.
-template <typename Traits>
+template <typename Traits, int kLanes>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -84,19 +84,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   const int64_t head = (blockIdx.x / num_m_blocks) % p.N;
   const int64_t batch = blockIdx.x / num_m_blocks / p.N;
   const int tidx = threadIdx.x;
-  const float* tile = dq_accum_tile(p, batch, head, m0, kHeadDim);
 
   typename Traits::TiledMmadQ mma_dq;
   Tensor coord = mma_dq.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int n = decltype(size(coord))::value;
   float v[n];
   CUTE_UNROLL
-  for (int i = 0; i < n; i += Order::kVec) {
-    if constexpr (Order::kVec == 4) {
-      const float4 x = *reinterpret_cast<const float4*>(tile + Order::index(i, tidx));
-      v[i] = x.x; v[i + 1] = x.y; v[i + 2] = x.z; v[i + 3] = x.w;
-    } else {
-      v[i] = tile[Order::index(i, tidx)];
+  for (int i = 0; i < n; ++i) v[i] = 0.f;
+  // The ordered causal kernel's lanes (dq_accum.h), added in lane order.
+  CUTE_UNROLL
+  for (int lane = 0; lane < kLanes; ++lane) {
+    const float* tile = dq_accum_tile(p, lane, batch, head, m0, kHeadDim);
+    CUTE_UNROLL
+    for (int i = 0; i < n; i += Order::kVec) {
+      if constexpr (Order::kVec == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(tile + Order::index(i, tidx));
+        v[i] += x.x; v[i + 1] += x.y; v[i + 2] += x.z; v[i + 3] += x.w;
+      } else {
+        v[i] += tile[Order::index(i, tidx)];
+      }
     }
   }
   Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_strides.batch + head * p.dq_strides.head;
@@ -171,6 +177,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   // plain and causal kernels.
   static_assert(!(kOrdered && kGeneral), "the general kernel orders at run time (p.deterministic)");
   const bool ordered = kOrdered || (kGeneral && p.deterministic);
+  // The dQ accumulator's lane of this key tile (dq_accum.h): the ordered causal kernel's only.
+  constexpr int kLanes = kDqLanesOf<kCausal, kOrdered>;
+  const int lane = n_block % kLanes;
   const int m_block_min = m_blocks.x, m_block_end = m_blocks.y;
   // What the segment summaries say about this key block (unknown without segment ids).
   [[maybe_unused]] const SegmentIds kv_seg =
@@ -239,18 +248,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
     s.head = int64_t(kv_head) * G + s.g;
     return s;
   };
-  // Deterministic mode: the dQ adds in key-tile order. A tile's turn is how many lower key tiles
-  // add into query tile m_block (dq_accum.h). Without the general path all of them do (plain:
-  // every key tile visits every query tile; top-left causal: the ranges of lower key tiles start
-  // no later and all end at num_m_blocks); with it the threads count them together with the same
-  // m_blocks_of.
+  // Deterministic mode: the dQ adds in key-tile order, per lane. A tile's turn is how many lower
+  // key tiles of its lane add into query tile m_block (dq_accum.h). Without the general path all
+  // of them do (plain: every key tile visits every query tile; top-left causal: the ranges of
+  // lower key tiles start no later and all end at num_m_blocks); with it the threads count them
+  // together with the same m_blocks_of.
   auto dq_turn = [&](int m_block) {
-    if constexpr (!kGeneral) return n_block;
+    if constexpr (!kGeneral) return n_block / kLanes;
     int turn = 0;
     for (int base = 0; base < n_block; base += Traits::kNThreads) {
       bool adds = false;
-      if (base + tidx < n_block) {
-        const int2 r = m_blocks_of(base + tidx);
+      const int nb = base + tidx;
+      if (nb < n_block && nb % kLanes == lane) {
+        const int2 r = m_blocks_of(nb);
         adds = m_block >= r.x && m_block < r.y;
       }
       turn += __syncthreads_count(adds);
@@ -262,7 +272,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   [[maybe_unused]] int seen = 0;
   [[maybe_unused]] auto dq_release_turn = [&](int j) {
     const Step s = step_of(j);
-    dq_semaphore_release(dq_semaphore(p, batch, s.head, s.m0), dq_turn(s.m0 / kBlockM) + 1);
+    dq_semaphore_release(dq_semaphore(p, lane, batch, s.head, s.m0), dq_turn(s.m0 / kBlockM) + 1);
   };
   auto q_tile = [&](const Step& s) {
     const Element* ptr = static_cast<const Element*>(p.q) + batch * p.q_strides.batch + s.head * p.q_strides.head +
@@ -491,7 +501,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       // Ordered kernels: read the semaphore of this step's dQ tile now, so that the read's round
       // trip overlaps the gemms before the add, which then usually finds its turn already there.
       if constexpr (kOrdered)
-        if (tidx == 0) seen = dq_semaphore_peek(dq_semaphore(p, batch, cur.head, cur.m0));
+        if (tidx == 0) seen = dq_semaphore_peek(dq_semaphore(p, lane, batch, cur.head, cur.m0));
 
       // dV += Pᵀ·dO.
       gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, tdVsdOt, mma_dkv, smem_copy_a_dkv, smem_copy_b_dkv, smem_thr_a_dkv,
@@ -500,7 +510,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       // that precedes them anyway (no barrier of their own).
       if constexpr (kOrdered)
         if (tidx == 0)
-          dq_wait_turn_from(dq_semaphore(p, batch, cur.head, cur.m0), dq_turn(cur.m0 / kBlockM), seen);
+          dq_wait_turn_from(dq_semaphore(p, lane, batch, cur.head, cur.m0), dq_turn(cur.m0 / kBlockM), seen);
       __syncthreads();  // everyone is done with sdO (and the ordered kernels' turn has come)
       if (has_next) {
         load_do(next);
@@ -513,10 +523,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, smem_copy_a_dq, smem_copy_b_dq, smem_thr_a_dq,
               smem_thr_b_dq);
-      float* dq_tile = dq_accum_tile(p, batch, cur.head, cur.m0, kHeadDim);
+      float* dq_tile = dq_accum_tile(p, lane, batch, cur.head, cur.m0, kHeadDim);
       if (ordered && !kOrdered) {
         // The general kernel keeps the simple protocol: wait, add, fence and release at once.
-        int32_t* sem = dq_semaphore(p, batch, cur.head, cur.m0);
+        int32_t* sem = dq_semaphore(p, lane, batch, cur.head, cur.m0);
         const int turn = dq_turn(cur.m0 / kBlockM);
         dq_wait_turn(sem, turn);
         dq_accum_add<Traits::kNThreads>(dq_tile, acc_dq, tidx);

@@ -35,10 +35,10 @@ struct DqAccumOrder {
   }
 };
 
-// First float of the tile holding query rows [m0, m0 + kBlockM) of (batch, head).
-__forceinline__ __device__ float* dq_accum_tile(const AttentionParams& p, int64_t batch, int64_t head, int m0,
-                                                int head_dim) {
-  return p.dq_accum + ((batch * p.N + head) * p.dq_accum_rows() + m0) * head_dim;
+// First float of the tile holding query rows [m0, m0 + kBlockM) of (batch, head) in `lane`.
+__forceinline__ __device__ float* dq_accum_tile(const AttentionParams& p, int lane, int64_t batch, int64_t head,
+                                                int m0, int head_dim) {
+  return p.dq_accum + (((lane * p.B + batch) * p.N + head) * p.dq_accum_rows() + m0) * head_dim;
 }
 
 // tile += acc (acc: this thread's dQ mma accumulator, any layout; only its value order matters).
@@ -59,22 +59,36 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
 }
 
 // Deterministic mode (the ordered plain/causal kernels, the general kernel when p.deterministic):
-// the adds of key block n into a dQ tile wait for their turn, `turn` = the number of lower key
-// blocks that add into the same tile (the semaphore counts finished adds).
+// key block n adds into lane n % kLanes of its dQ tiles (kLanes: kDqLanesOf below; a lane is a
+// copy of the accumulator with semaphores of its own), and its adds into a tile wait for their
+// turn, `turn` = the number of lower key blocks of the same lane that add into the same tile
+// (the semaphore counts finished adds). The convert kernel sums the lanes in lane order, so
+// dQ's rounding depends on the problem alone.
 // CTAs are issued in increasing block index and a CTA only waits for lower key blocks, whose
 // indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock, whatever else
 // runs on the GPU, and the order depends on the problem alone (not on the GPU's size).
 // All CTAs walk the query tiles in the same order, so a CTA follows the next-lower key block's
-// CTA a step behind; with the key-tile-major grid only a few key blocks of one head run at a time,
-// so the chain is short. What made this order slow before (H200, 16k: 65-82 % of the default)
-// was each step waiting out the round trips of the semaphore read and of the fence after the
-// adds; the ordered kernels now take both off the critical path (split protocol below). Orders
-// that follow the arrival of the CTAs at a tile (rotated walks, higher key blocks first for
-// causal) measured no faster, and they make a CTA wait for CTAs issued after it: they deadlock
-// unless the whole group is resident, which another kernel on the GPU can prevent.
-__forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int64_t batch, int64_t head, int m0) {
-  const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
-  return p.dq_semaphore + (batch * p.N + head) * per_head + m0 / kDqSemaphoreRows;
+// CTA of its lane a step behind; with the key-tile-major grid only a few key blocks of one head
+// run at a time, so the chain is short. What made this order slow before (H200, 16k: 65-82 % of
+// the default) was each step waiting out the round trips of the semaphore read and of the fence
+// after the adds; the ordered kernels take both off the critical path (split protocol below).
+// Orders that follow the arrival of the CTAs at a tile (rotated walks, higher key blocks first
+// for causal) measured no faster, and they make a CTA wait for CTAs issued after it: they
+// deadlock unless the whole group is resident, which another kernel on the GPU can prevent.
+// Lanes, for the causal kernel only (H200, bf16, H 128, 16k; benchmarks/ab_sm80.sh, benchmarks/
+// results/2026-11-23-nvidia-h200-deterministic-ab.csv). With one lane the waiting itself cost
+// causal most of the order's price: a variant that skipped the wait ran 9.89 ms against 10.95
+// (9.10 unordered), and ncu counted a third of the steps re-reading the semaphore, their CTAs
+// held at the barrier after it. A causal key tile's CTA is short when the CTAs before it are
+// long, so the chains of one head finish about a step apart and their successors start as
+// close behind (our reading; the no-wait variant is what was measured). Two lanes: causal
+// 10.81 -> 10.20 ms (re-reads 88k -> 37k), four 10.51; non-causal, whose CTAs all run the same
+// number of steps, lost with them (20.75 -> 22.77 ms with two), so it keeps one.
+template <bool kCausal, bool kOrdered>
+inline constexpr int kDqLanesOf = kCausal && kOrdered ? int(kDqLanes) : 1;
+__forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int lane, int64_t batch, int64_t head,
+                                                 int m0) {
+  return p.dq_semaphore + ((lane * p.B + batch) * p.N + head) * p.dq_semaphores_per_head() + m0 / kDqSemaphoreRows;
 }
 
 __forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
@@ -90,8 +104,14 @@ __forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
 // The ordered kernels' split protocol, all by thread 0 (the kernel supplies the barriers):
 //   peek: read the semaphore ahead of the add (relaxed: see below);
 //   wait_turn_from: wait for the turn, starting from the value peeked;
-//   release: fence, then publish the finished adds; a barrier after every thread's adds comes
-//     before it, and the fence is cumulative over what that barrier ordered before it.
+//   release: publish the finished adds with a release store; a barrier after every thread's adds
+//     comes before it, and the release is cumulative over what that barrier ordered before it.
+//     A release store, not fence.acq_rel + a relaxed store: the fence's acquire half invalidates
+//     the SM's L1 (CCTL.IVALL in the SASS) every step, so the next reloads of spilled registers and
+//     of the row statistics went to L2 (ncu: long-scoreboard stalls 17 % of samples against 10 %
+//     unordered), and it made the compiler issue the dQ adds as ATOMG instead of REDG. The
+//     release store measured 10.81 against 11.03 ms causal, 20.75 against 21.79 non-causal
+//     (H 128, one lane; deterministic-ab.csv, run B).
 // The peek and the wait read relaxed, not acquire: an acquire read stalls its warp until the value
 // arrives, which is the latency the early read hides. What the order needs still holds: this CTA
 // issues its adds only after the branch on the value read (GPUs issue no memory operation past an
@@ -114,7 +134,7 @@ __forceinline__ __device__ void dq_wait_turn_from(const int32_t* sem, int turn, 
 }
 
 __forceinline__ __device__ void dq_semaphore_release(int32_t* sem, int value) {
-  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%0], %1;" ::"l"(sem), "r"(value) : "memory");
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(sem), "r"(value) : "memory");
 }
 
 __forceinline__ __device__ void dq_end_turn(int32_t* sem, int turn) {

@@ -71,14 +71,16 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
                                              BwdConfig<Element, kHeadDim>>::Traits;
   const int64_t rows = p.B * p.T * p.N;
 
-  // dq_accum is accumulated with atomics: start from zero (padding rows included).
-  cudaError_t err =
-      cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
+  // dq_accum is accumulated with atomics: start from zero (padding rows and the lanes used
+  // included: the ordered causal kernel's, dq_accum.h).
+  constexpr int kLanes = kDqLanesOf<F::kCausal, F::kOrdered>;
+  cudaError_t err = cudaMemsetAsync(
+      p.dq_accum, 0, size_t(kLanes * p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  // The deterministic mode's semaphores count finished adds per dQ tile from zero.
+  // The deterministic mode's semaphores count finished adds per dQ tile and lane from zero.
   if (p.deterministic) {
-    const int64_t per_head = (p.T + kDqSemaphoreRows - 1) / kDqSemaphoreRows;
-    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(p.B * p.N * per_head) * sizeof(int32_t), stream);
+    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(kLanes * p.B * p.N * p.dq_semaphores_per_head()) * sizeof(int32_t),
+                          stream);
     if (err != cudaSuccess) return err;
   }
   // d(bias) is accumulated with atomics too (broadcast axes sum many elements into one).
@@ -103,7 +105,7 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
 
   const int64_t tiles = (p.T + Traits::kBlockM - 1) / Traits::kBlockM * p.N * p.B;
-  bwd_convert_dq_kernel<Traits><<<dim3(unsigned(tiles)), Traits::kNThreads, 0, stream>>>(p);
+  bwd_convert_dq_kernel<Traits, kLanes><<<dim3(unsigned(tiles)), Traits::kNThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -23,6 +23,13 @@ inline constexpr int64_t kDqAccumRowAlign = 128;
 // kBlockM). jax_flashattn/primitives.py sizes the semaphore workspace with the same constant.
 inline constexpr int64_t kDqSemaphoreRows = 64;
 
+// Copies ("lanes") of the dQ accumulator that the deterministic backward's workspace holds:
+// the ordered causal kernel's key tile n adds into lane n % kDqLanes after the lower key tiles
+// of its lane only, and the convert kernel sums the lanes in a fixed order (sm80/dq_accum.h says
+// why; the other kernels use one lane). jax_flashattn/primitives.py sizes both workspaces with
+// the same constant.
+inline constexpr int64_t kDqLanes = 2;
+
 // Positions per chunk of the segment-id summaries (MaskParams::q_segment_chunks): a divisor of
 // every GPU tile size. jax_flashattn/_segment_chunks.py uses the same constant.
 inline constexpr int kSegmentChunk = 16;
@@ -186,16 +193,18 @@ struct AttentionParams {
   Strides do_strides, dq_strides, dk_strides, dv_strides;
 
   // Backward workspace for GPU kernels, provided by the FFI (never allocated per call).
-  // dq_accum: float32 [B, N, dq_accum_rows(), H]. Rows are padded so that every query tile of
-  // the backward kernel owns a whole contiguous block, which the kernel stores in the order its
-  // threads hold the dQ fragments (sm80/dq_accum.h): its atomics then cover contiguous spans.
+  // dq_accum: float32 [lanes, B, N, dq_accum_rows(), H], lanes = kDqLanes with deterministic,
+  // else 1. Rows are padded so that every query tile of the backward kernel owns a whole
+  // contiguous block, which the kernel stores in the order its threads hold the dQ fragments
+  // (sm80/dq_accum.h): its atomics then cover contiguous spans.
   float* dq_accum = nullptr;
   float* softmax_d = nullptr;  // float32 [B,N,T], packed: rowsum(dO∘O) - dLSE
 
-  // Deterministic backward (deterministic=True): every dQ tile receives its key blocks' adds in
-  // increasing key-block order, ordered through dq_semaphore, int32 [B, N, ceil(T / 64)], zeroed
-  // by the launcher (sm80/launch.h; the protocol: sm80/dq_accum.h). d(bias) is deterministic
-  // only for a bias without broadcast axes (the lowering refuses the others).
+  // Deterministic backward (deterministic=True): every lane of a dQ tile receives its key
+  // blocks' adds in increasing key-block order, ordered through dq_semaphore, int32 [kDqLanes, B,
+  // N, ceil(T / 64)], zeroed by the launcher (sm80/launch.h; the protocol: sm80/dq_accum.h).
+  // d(bias) is deterministic only for a bias without broadcast axes (the lowering refuses the
+  // others).
   bool deterministic = false;
   int32_t* dq_semaphore = nullptr;
 
@@ -206,6 +215,7 @@ struct AttentionParams {
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
     return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
   }
+  JFA_HOST_DEVICE int64_t dq_semaphores_per_head() const { return (T + kDqSemaphoreRows - 1) / kDqSemaphoreRows; }
 
   JFA_HOST_DEVICE int64_t group_size() const { return N / K; }
 };
