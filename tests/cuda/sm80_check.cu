@@ -3,7 +3,8 @@
 // under compute-sanitizer (memcheck, racecheck) with --small.
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
-// ./harness --bench   timing only
+// ./harness --bench   timing only; --bench H CAUSAL times one problem (bf16, 16k; for A/B runs
+//                     and ncu: benchmarks/ab_sm80.sh)
 // Cases with a feature name (lengths, window, bottom_right, segments, softcap, alibi, bias*, mask,
 // dropout, all, empty) run the kernels' general path (jfa/mask.h policies); the reference computes
 // logits, softcap, bias, ALiBi and the softmax in double, sharing with the kernels only the position
@@ -175,6 +176,7 @@ static double rel_err(const std::vector<double>& out, const std::vector<double>&
 // Double-precision reference over (b, n) pairs in parallel threads.
 struct Ref {
   std::vector<double> o, lse, dq, dk, dv, dbias, dslopes;  // dslopes [B, N]
+  std::vector<double> dslopes_l1;  // sum of |dS·|pos - j|| per [B, N]: the scale of d(slope)'s terms
 };
 
 // `hp`: the call's parameters with host pointers (only is_causal, shapes and hp.mask are read).
@@ -192,6 +194,7 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
   r.dk.assign(size_t(B) * S * K * H, 0);
   r.dv.assign(size_t(B) * S * K * H, 0);
   r.dslopes.assign(fm.alibi_slopes != nullptr ? size_t(B) * N : 0, 0);
+  r.dslopes_l1.assign(r.dslopes.size(), 0);
   // dk/dv are accumulated per query head then summed over the group: keep per-(b,n) buffers.
   std::vector<std::vector<double>> dk_part(size_t(B) * N), dv_part(size_t(B) * N);
   auto work = [&](int bn) {
@@ -267,7 +270,10 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
         for (int d = 0; d < H; ++d) acc += dod[t * H + d] * vd[s * H + d];
         dp[s] = p[s] * (acc * z[s] - Dsum + g);  // dS (d of the final logit)
         if (!ds_full.empty()) ds_full[((size_t(b) * N + n) * T + t) * S + s] = dp[s];
-        if (!r.dslopes.empty()) r.dslopes[bn] -= dp[s] * std::fabs(double(t + sb.offset - s));
+        if (!r.dslopes.empty()) {
+          r.dslopes[bn] -= dp[s] * std::fabs(double(t + sb.offset - s));
+          r.dslopes_l1[bn] += std::fabs(dp[s] * double(t + sb.offset - s));
+        }
         dp[s] *= sg[s];  // through soft-capping
       }
       for (int s = 0; s < smax; ++s)
@@ -511,18 +517,35 @@ static void run_case(const Config& c, std::mt19937& rng) {
     e_db = rel_err(dbias, ref.dbias, &ma_db, &fin_db);
     ok = ok && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
   }
-  double e_ds = 0, ma_ds = 0;
+  double e_ds = 0, ma_ds = 0, e_ds_terms = 0;  // e_ds_terms: the error over its terms' magnitudes
   bool fin_ds = true;
   if (!dslopes.empty()) {
     e_ds = rel_err(dslopes, ref.dslopes, &ma_ds, &fin_ds);
-    ok = ok && fin_ds && (e_ds <= 4 * tol || ma_ds <= abs_tol);
+    // d(slope) = -sum dS·|pos - j| over a head: its terms cancel to about 1e-3 of the sum of their
+    // magnitudes (every feature at T = 1000: -56.6 against a sum of 69080), so small errors of dS
+    // read large in the relative test: with soft-capping, the kernels' tanhf (tanh.approx under
+    // --use_fast_math, relative error up to 2^-11) moves every logit by up to softcap · 5e-4,
+    // the same way for equal inputs, and the error came to 4.8e-4 of the magnitudes (24 % relative;
+    // 1 sweep in 6 failed on it, and 2 of 32 repeats of that case). Such a value passes within
+    // 1e-3 of its terms' magnitudes with soft-capping, 2e-4 without, besides the relative test.
+    const double terms_tol = c.f.softcap > 0.f ? 1e-3 : 2e-4;
+    bool within_terms = true;
+    for (size_t i = 0; i < dslopes.size(); ++i) {
+      const double err = std::fabs(dslopes[i] - ref.dslopes[i]);
+      within_terms = within_terms && err <= 4 * tol * std::fabs(ref.dslopes[i]) + terms_tol * ref.dslopes_l1[i];
+      e_ds_terms = std::max(e_ds_terms, err / std::max(ref.dslopes_l1[i], 1e-30));
+    }
+    ok = ok && fin_ds && (e_ds <= 4 * tol || ma_ds <= abs_tol || within_terms);
   }
   ok = ok && range_misses == 0 && reproducible;
   if (!ok) ++g_failures;
   if (!reproducible) printf("[deterministic: dq differs between two runs] ");
+  if (!ok && !dslopes.empty())
+    for (size_t i = 0; i < dslopes.size(); ++i)
+      printf("[dslopes %zu: %.6g, reference %.6g, sum of |terms| %.6g] ", i, dslopes[i], ref.dslopes[i], ref.dslopes_l1[i]);
   if (c.f.name != nullptr)
-    printf("[%s%s dbias %.2e dslopes %.2e, range misses %d] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "", e_db,
-           e_ds, range_misses);
+    printf("[%s%s dbias %.2e dslopes %.2e (%.1e of its terms), range misses %d] ", c.f.name,
+           c.f.dropout > 0.f ? " dropout" : "", e_db, e_ds, e_ds_terms, range_misses);
   printf("%s %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel o %.2e lse %.2e dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
          ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e[0], e[1], e[2], e[3], e[4], ma[2], ma[3],
          (fin[0] && fin[1] && fin[2] && fin[3] && fin[4]) ? "" : " NONFINITE");
@@ -606,9 +629,10 @@ int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
   const bool bench_only = argc > 1 && std::string(argv[1]) == "--bench";
   printf("built: %s\n", jfa::sm80::built_variants());
-  const unsigned seed = std::random_device{}();
+  // A fresh seed each run; JFA_CHECK_SEED=<seed> replays a run (each case: below).
+  const char* seed_env = std::getenv("JFA_CHECK_SEED");
+  const unsigned seed = seed_env != nullptr ? unsigned(std::strtoul(seed_env, nullptr, 10)) : std::random_device{}();
   printf("seed: %u\n", seed);
-  std::mt19937 rng(seed);
   std::vector<Config> cases;
   const DType BF = DType::kBFloat16, FP = DType::kFloat16;
   if (small) {
@@ -689,8 +713,27 @@ int main(int argc, char** argv) {
       for (bool causal : {false, true}) cases.push_back({2, 1000, 1000, 4, 2, 128, causal, BF, true, 0, ordered});
     }
   }
-  for (auto& c : cases) run_case(c, rng);
-  if (!small) {
+  // JFA_CHECK_CASES=<feature name> keeps the general-path cases of that feature only, each run
+  // JFA_CHECK_REPEAT times (default 1) on fresh inputs: for chasing a rare failure.
+  if (const char* only = std::getenv("JFA_CHECK_CASES")) {
+    const char* repeat_env = std::getenv("JFA_CHECK_REPEAT");
+    const int repeat = repeat_env != nullptr ? std::max(1, std::atoi(repeat_env)) : 1;
+    std::vector<Config> kept;
+    for (const Config& c : cases)
+      if (c.f.name != nullptr && std::string(c.f.name) == only)
+        for (int r = 0; r < repeat; ++r) kept.push_back(c);
+    cases = kept;
+  }
+  // Each case draws from its own stream, so that JFA_CHECK_SEED replays a case whatever else the
+  // build holds (cases of unbuilt variants are skipped).
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::mt19937 case_rng(seed ^ (0x9E3779B9u * unsigned(i + 1)));
+    run_case(cases[i], case_rng);
+  }
+  if (bench_only && argc > 3) {
+    const int H = std::atoi(argv[2]);
+    bench(BF, H, 1, 16384, 16 * 128 / H, std::atoi(argv[3]) != 0);
+  } else if (!small && std::getenv("JFA_CHECK_CASES") == nullptr) {
     bench(BF, 128, 1, 16384, 16, false);
     bench(BF, 128, 1, 16384, 16, true);
     bench(BF, 64, 1, 16384, 32, false);
