@@ -27,8 +27,8 @@ for h in $hdims; do  # JFA_SM80_BUILT_MASK: bit 6 + head-dim index for bf16 (cud
 done
 flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo
        -gencode=arch=compute_${arch},code=sm_${arch} -DJFA_SM80_BUILT_MASK=${mask}u)
-# One nvcc per source, at most AB_JOBS (default: the cores) at a time: all at once ran the GPU
-# machine out of memory with three head dims of two roots (64 jobs; some died, the link failed).
+# One nvcc per source, at most AB_JOBS (default: the cores) at a time: all at once (64 jobs for
+# three head dims of two roots) left objects missing and the link failed, most likely for memory.
 compile_one() {  # ROOT_INDEX ROOT SOURCE
   local obj=/tmp/jfa-ab80-build/$1
   nvcc "${flags[@]}" -I"$2/cuda" -I"$2/cuda/include" -Itests/cuda -isystem "$cutlass" -c "$3" \
