@@ -422,8 +422,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMalloc(&d_lse, rows * 4)); CK(cudaMemset(d_lse, 0xFF, rows * 4));
   CK(cudaMalloc(&d_dlse, rows * 4));
   CK(cudaMemcpy(d_dlse, dlse.data(), rows * 4, cudaMemcpyHostToDevice));
-  const size_t acc_elems = size_t(jfa::kDqLanes) * c.B * c.N *  // every lane, padded rows (params.h)
-                           ((c.T + jfa::kDqAccumRowAlign - 1) / jfa::kDqAccumRowAlign) * jfa::kDqAccumRowAlign * c.H;
+  const size_t acc_elems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_accum_rows() * c.H;  // every lane (params.h)
   CK(cudaMalloc(&d_dqacc, acc_elems * 4)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
   CK(cudaMalloc(&d_D, rows * 4)); CK(cudaMemset(d_D, 0xFF, rows * 4));
   p.o = d_o; p.o_strides = o_layout.strides();
@@ -436,7 +435,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.dq_accum = d_dqacc; p.softmax_d = d_D;
   int32_t* d_sem = nullptr;
   if (c.f.deterministic) {
-    const size_t sems = size_t(jfa::kDqLanes) * c.B * c.N * ((c.T + jfa::kDqSemaphoreRows - 1) / jfa::kDqSemaphoreRows);
+    const size_t sems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_semaphores_per_head();
     CK(cudaMalloc(&d_sem, sems * 4));
     CK(cudaMemset(d_sem, 0xFF, sems * 4));  // the launcher must zero it
     p.deterministic = true;
@@ -577,8 +576,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   void* bufs[8];
   for (int i = 0; i < 8; ++i) bufs[i] = upload(h);
   float *lse, *dqacc, *D;
-  const size_t acc_rows =  // every lane of the deterministic run (params.h)
-      size_t(jfa::kDqLanes) * B * N * ((T + jfa::kDqAccumRowAlign - 1) / jfa::kDqAccumRowAlign) * jfa::kDqAccumRowAlign;
+  const size_t acc_rows = size_t(jfa::kDqLanes) * B * N * p.dq_accum_rows();  // every lane of the deterministic run
   CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * H * 4)); CK(cudaMalloc(&D, rows * 4));
   auto st = jfa::packed_strides(T, N, H);
   p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3]; p.dout = bufs[4];
@@ -609,7 +607,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   const float tf = time(false), tb = time(true);
   // The deterministic backward (ordered dQ adds) on the same problem.
   int32_t* sem;
-  CK(cudaMalloc(&sem, size_t(jfa::kDqLanes) * B * N * ((T + jfa::kDqSemaphoreRows - 1) / jfa::kDqSemaphoreRows) * 4));
+  CK(cudaMalloc(&sem, size_t(jfa::kDqLanes) * B * N * p.dq_semaphores_per_head() * 4));
   p.deterministic = true;
   p.dq_semaphore = sem;
   const float tb_det = time(true);
