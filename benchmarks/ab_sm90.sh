@@ -8,6 +8,7 @@
 # lines per variant across rounds (medians), never one round alone. AB_CHECK=1 first runs each
 # variant's correctness sweep (sm90_check with no mode; $OUT/check-<i>.log), so that no timing is
 # read off a variant that computes wrong results.
+# AB_BUILD_DIR (default /tmp/jfa-ab-build) holds the variants' objects and binaries, one folder each.
 # JFA_BENCH_ROUNDS=1 (passed through to sm90_check) adds every round's time of --masks (ROUNDS lines).
 #   bash benchmarks/ab_sm90.sh --lengths ROOT...     (or --masks, --bench; or several: --masks,--lengths)
 set -uo pipefail
@@ -15,7 +16,8 @@ cd "$(dirname "$0")/.."
 mode=$1; shift
 [ $# -ge 1 ] || { echo "usage: $0 --lengths|--masks|--bench[,...] ROOT..."; exit 2; }
 OUT=${OUT:-/tmp/jfa-ab}
-mkdir -p "$OUT" /tmp/jfa-ab-build
+build=${AB_BUILD_DIR:-/tmp/jfa-ab-build}  # variant i in $build/i
+mkdir -p "$OUT" "$build"
 cutlass=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))") \
   || { echo "nvidia-cutlass is not importable (run .ci/gpu-run build first, or put .whl/ on PYTHONPATH)"; exit 1; }
 hdims=${AB_HDIMS:-64 128 256}
@@ -28,7 +30,7 @@ flags=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -gencode=arch=com
 start=$(date +%s)
 i=0
 for root in "$@"; do
-  obj=/tmp/jfa-ab-build/$i
+  obj=$build/$i
   mkdir -p "$obj"
   inc=(-I"$root/cuda" -I"$root/cuda/include" -Icuda -Itests/cuda -isystem "$cutlass")
   srcs=("$root/cuda/sm90/api.cu" tests/cuda/sm90_check.cu)
@@ -43,7 +45,7 @@ done
 wait
 i=0
 for root in "$@"; do
-  obj=/tmp/jfa-ab-build/$i
+  obj=$build/$i
   nvcc -gencode=arch=compute_90a,code=sm_90a "$obj"/*.o -lcuda -o "$obj/sm90_check" \
     || { cat "$obj"/*.log | grep -E "error" | head -20; exit 1; }
   i=$((i + 1))
@@ -51,7 +53,7 @@ done
 echo "ab: built $# variants in $(( $(date +%s) - start )) s"
 if [ "${AB_CHECK:-0}" = 1 ]; then
   for i in $(seq 0 $(($# - 1))); do
-    timeout 200 /tmp/jfa-ab-build/$i/sm90_check > "$OUT/check-$i.log" 2>&1
+    timeout 200 $build/$i/sm90_check > "$OUT/check-$i.log" 2>&1
     echo "check variant $i: exit $? ($(grep -c PASS "$OUT/check-$i.log") PASS, $(grep -E 'failures' "$OUT/check-$i.log"))"
     grep FAIL "$OUT/check-$i.log" | head -5
   done
@@ -61,7 +63,7 @@ for r in $(seq 1 "${AB_ROUNDS:-3}"); do
   for root in "$@"; do
     for m in ${mode//,/ }; do
       echo "== round $r variant $i ($root) $m"
-      timeout 300 /tmp/jfa-ab-build/$i/sm90_check "$m" 2>&1 | grep -E "BENCH|MASKS|ROUNDS|FAIL" | tee -a "$OUT/ab-$i.log"
+      timeout 300 $build/$i/sm90_check "$m" 2>&1 | grep -E "BENCH|MASKS|ROUNDS|FAIL" | tee -a "$OUT/ab-$i.log"
     done
     i=$((i + 1))
   done

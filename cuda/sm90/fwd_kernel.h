@@ -33,9 +33,11 @@
 //
 // ALiBi on the tensor cores (kAlibiPrefix: the positions-and-ALiBi set's kernel, mask.h). Q·Kᵀ
 // takes one more k block of 16 in front of the head dim's: key j's holds (c, c, c, 0, ...) with
-// c = j − n0 its column in the block (the same for every block: written once per CTA), and each
-// query row of a tile holds (a1, a2, a3, 0, ...), the slope in the units of the raw scores
-// (slope / scale) split into three 16-bit pieces. The products are exact and wgmma sums them in
+// c = j − n0 its column in the block (the same for every block: written to smem once per CTA), and
+// each query row of a tile holds (a1, a2, a3, 0, ...), the slope in the units of the raw scores
+// (slope / scale) split into three 16-bit pieces: the same in every row, so that side is an A
+// fragment in registers (an RS wgmma, set once per tile), with no smem, barrier or descriptor of its
+// own in the loop. The products are exact and wgmma sums them in
 // float, so the scores come out with slope·(j − n0) added: to float precision in bf16; in fp16 the
 // pieces below its normal range keep fewer bits (about 2^-25 absolute per column of c, raw-score
 // units), and a slope / scale past its range makes the tile fall back to the per-element term
@@ -49,7 +51,14 @@
 // nothing (ncu, H 128: 50M fewer instructions, the same cycles): what held ALiBi back was that
 // code's instruction fetches and branches (ncu "no instruction" and "branch resolving" stall samples
 // 3.7x and 2.1x the no-op window's; with the skip, 1.25x and 0.9x). The slopes' values do not
-// matter (slopes of 0 measured the same).
+// matter (slopes of 0 measured the same). After that, ncu (H 256) found the kernel's time following
+// its instruction count, both 12 % above the no-op window's: per key block and warp, the prefix's
+// Q-side descriptors rebuilt (the rows' side was in smem then), block_needs' per-row |·| test and
+// a null test of the slopes, and the shift's select. With the rows' side in registers, the |·|
+// test a per-tile block index (TileRows::alibi_abs_from) and the rest compile-time: 91-92 / 93-95 /
+// 95-98 % of plain causal at H 64 / 128 / 256, from 85-86 / 88-95 / 85-86 % (H200, bf16, causal 16k,
+// interleaved A/B, benchmarks/results/2026-11-23-nvidia-h200-masks-15.csv); ptxas's spills of the
+// kernel fell from 112 / 136 bytes (H 64 / 256) to 4.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -113,14 +122,13 @@ struct KernelParams {
 
 // Named barriers, by raw id (0 is __syncthreads'; the kernel uses no CUTLASS collective, so
 // CUTLASS's reserved ids are free): per consumer warpgroup w, its ping-pong scheduler barrier, its
-// tile meeting with the producer warp, its epilogue and, in the ALiBi prefix kernel, the write of
-// its rows of the prefix's Q side (kAlibiPrefix). Per warpgroup, so that nothing but the
+// tile meeting with the producer warp and its epilogue. Per warpgroup, so that nothing but the
 // ping-pong order ties the consumers together: a warpgroup ending a tile stores its own 64 rows
 // of O and starts the next tile while the other still runs its last P·V. With one barrier of all
 // consumers there, both waited for the later one and then ran their epilogues side by side, the
 // tensor cores idle; it weighs most on tiles of few key blocks: causal 1k measured 3-4 % faster
 // without it (H 64 and H 128, H200, benchmarks/ab_sm90.sh --lengths), 16k level.
-enum : int { kBarSchedFirst = 1, kBarTileFirst = 4, kBarEpilogueFirst = 7, kBarAlibiPrefixFirst = 10 };
+enum : int { kBarSchedFirst = 1, kBarTileFirst = 4, kBarEpilogueFirst = 7 };
 
 __forceinline__ __device__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -203,12 +211,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = kNumMmaThreads;
   Pipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
-  // ALiBi's k prefix operands: K's side is every block's, (c, c, c, 0, ...) for column c.
+  // ALiBi's k prefix, the keys' side: every block's, (c, c, c, 0, ...) for column c.
   constexpr int kPrefixK = Traits::kPrefixK;
-  Element* const q_prefix = [&] {
-    if constexpr (kAlibiPrefix) return ss.prefix.q.data(); else return ss.q.data();  // unused then
-  }();
-  Tensor sQPrefix = make_tensor(make_smem_ptr(q_prefix), typename Traits::SmemLayoutQPrefix{});
   if constexpr (kAlibiPrefix) {
     Tensor sKPrefix = make_tensor(make_smem_ptr(ss.prefix.k.data()), typename Traits::SmemLayoutKPrefix{});
     for (int i = threadIdx.x; i < kBlockN * kPrefixK; i += Traits::kNumThreads)
@@ -352,12 +356,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
-  Tensor tSrQPrefix = thr_qk.partition_fragment_A(sQPrefix);
+  // ALiBi's k prefix: the rows' side in registers (the same for every row: the A fragment's
+  // elements of columns 0-2 hold the slope's pieces, set per tile), the keys' side in smem.
+  typename Traits::TiledMmaQKPrefix mma_qk_prefix;
+  auto thr_qk_prefix = mma_qk_prefix.get_thread_slice(tid);
+  const auto prefix_shape_a = Shape<Int<kBlockM>, Int<kPrefixK>>{};
+  Tensor tSrQPrefix = thr_qk_prefix.partition_fragment_A(make_identity_tensor(prefix_shape_a));
+  Tensor tScQPrefix = thr_qk_prefix.partition_A(make_identity_tensor(prefix_shape_a));
   Element* const k_prefix = [&] {
     if constexpr (kAlibiPrefix) return ss.prefix.k.data(); else return ss.k.data();  // unused then
   }();
   Tensor tSrKPrefix =
-      thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(k_prefix), typename Traits::SmemLayoutKPrefix{}));
+      thr_qk_prefix.partition_fragment_B(make_tensor(make_smem_ptr(k_prefix), typename Traits::SmemLayoutKPrefix{}));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   // Thread 0's coordinates: compile-time constants (see apply_policy).
@@ -398,17 +408,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // causal on 4k rows, a window that hides nothing).
     [[maybe_unused]] TileRows<kRows> rows;
     auto tests_of = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
-      return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block, kBlockN) : 0;
+      return kGeneral ? block_needs<kPolicies>(p.attn, rows, n_block) : 0;
     };
     // Score modifiers touch every block (the full policy code). Without them a block whose
     // elements need no test (most blocks of a window or of packed segments) skips the policy code
     // altogether, and the others run a copy without the modifiers. Before, the per-feature checks
     // ran on every block: ncu, H200, H 128 causal 16k with a no-op window, 619M instructions
     // against plain causal's 540M, 565M with the skip.
+    // The ALiBi prefix kernel always has slopes (launch.h runs it for calls with ALiBi only; without
+    // them its prefix and shifts would add zeros): a compile-time true there, one select less per
+    // block.
     constexpr int kScoreMods = kPolicyAlibi | kPolicyScore;
-    const bool score_mods = (kPolicies & kScoreMods) && p.attn.mask.has_score_mod();
-    // ALiBi's slope in the units of the raw scores (apply_policy's), for the tensor cores' prefix
-    // (read here: its Q side is written under the first GEMM, beside tile_rows).
+    const bool score_mods = kAlibiPrefix || ((kPolicies & kScoreMods) && p.attn.mask.has_score_mod());
+    // ALiBi's slope in the units of the raw scores (apply_policy's), for the tensor cores' prefix.
     const MaskParams& mp = p.attn.mask;
     [[maybe_unused]] const float prefix_slope =
         kAlibiPrefix && mp.alibi_slopes != nullptr
@@ -444,26 +456,25 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // ALiBi's k prefix for this tile: the slope in raw-score units, in three 16-bit pieces. fp16
     // cannot hold a slope / scale past its range: such a tile adds the term per element instead.
     constexpr bool kPrefixHoldsAnySlope = !is_same_v<Element, cutlass::half_t>;  // bf16 has float's range
-    const bool alibi_prefix = kAlibiPrefix && p.attn.mask.alibi_slopes != nullptr &&
-                              (kPrefixHoldsAnySlope || fabsf(prefix_slope) <= 65504.f);
+    const bool alibi_prefix = kAlibiPrefix && (kPrefixHoldsAnySlope || fabsf(prefix_slope) <= 65504.f);
     // What apply_policy's ALiBi code (which runs only with slopes) is told of the loop's scores: a
     // compile-time true where every slope takes the prefix, so that its per-element path is not
     // compiled into the loop.
     const bool alibi_in_scores = kAlibiPrefix && (kPrefixHoldsAnySlope || alibi_prefix);
-    // Each warpgroup writes its own 64 rows, once its GEMMs of the previous tile have finished (they
-    // have: its tile ends with a wait for all of them).
-    auto write_q_prefix = [&] {
+    // The rows' side of the prefix for this tile, in registers: (a1, a2, a3, 0, ...) in every row.
+    // This warpgroup's GEMMs of the previous tile, which read the fragment, have finished (its tile
+    // ends with a wait for all of them).
+    if constexpr (kAlibiPrefix) {
       const Element a1(prefix_slope);
       const float rest = prefix_slope - float(a1);
       const Element a2(rest);
       const Element a3(rest - float(a2));
-      const int k = wg_tid % kPrefixK;
-      const Element value = k == 0 ? a1 : k == 1 ? a2 : k == 2 ? a3 : Element(0.f);
       CUTE_UNROLL
-      for (int row = wg_tid / kPrefixK; row < 64; row += 128 / kPrefixK) sQPrefix(mma_wg * 64 + row, k) = value;
-      cutlass::arch::fence_view_async_shared();
-      bar_sync(kBarAlibiPrefixFirst + mma_wg, 128);
-    };
+      for (int i = 0; i < size(tSrQPrefix); ++i) {
+        const int k = get<1>(tScQPrefix(i));
+        tSrQPrefix(i) = k == 0 ? a1 : k == 1 ? a2 : k == 2 ? a3 : Element(0.f);
+      }
+    }
 
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
@@ -500,12 +511,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
     // First (last-in-memory) key block: the only one that can cross S; causal diagonal too. Its
     // tests are found under its GEMM, as in the loop (they wait for tile_rows' loads). It runs
-    // without ALiBi's prefix, whose Q side is written under this GEMM.
+    // without ALiBi's prefix (apply_policy adds the term per element).
     pipeline_k.consumer_wait(read);
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     if constexpr (kGeneral) rows = tile_rows<kPolicies, kRows, kBlockM, kBlockN>(p.attn, t.batch, t.head, m0, cS_rc);
     int needs = tests_of(n);
-    if (alibi_prefix) write_q_prefix();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(read);
@@ -533,7 +543,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // (Not a lambda: one for this issue made ptxas keep S in local memory, a 464-byte stack frame
       // in the all-policies kernel.)
       if (kAlibiPrefix && alibi_prefix)
-        gemm_with_prefix(mma_qk, tSrQPrefix, tSrKPrefix, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        gemm_with_prefix(mma_qk_prefix, mma_qk, tSrQPrefix, tSrKPrefix, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       else
         gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       rescale_o_if_needed();

@@ -92,11 +92,15 @@ struct FwdTraits {
   using SmemLayoutOBox = decltype(tile_to_shape(SmemAtom{}, Shape<_64, _64>{}));
   static constexpr int o_box_offset(int w, int c) { return w * 64 * 64 + c * kBlockM * 64; }
   static_assert(cosize_v<SmemLayoutOBox> == 64 * 64 && (kBlockM * 64) % 1024 == 0);
-  // ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): one wgmma k block of 16 per row and key,
-  // in the 32-byte swizzled K-major atom (8 rows x 16 elements).
+  // ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): one wgmma k block of 16 per row and key.
+  // The rows' side comes from registers (every row of a tile holds the same values), so that block
+  // is an RS wgmma; the keys' side is in smem, in the 32-byte swizzled K-major atom (8 rows x 16
+  // elements).
   static constexpr int kPrefixK = 16;
+  using TiledMmaQKPrefix = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPrefixK>>,
+                           GMMA::Major::K, GMMA::Major::K>(), AtomLayout{}));
   using SmemAtomPrefix = GMMA::Layout_K_SW32_Atom<Element>;
-  using SmemLayoutQPrefix = decltype(tile_to_shape(SmemAtomPrefix{}, Shape<Int<kBlockM>, Int<kPrefixK>>{}));
   using SmemLayoutKPrefix = decltype(tile_to_shape(SmemAtomPrefix{}, Shape<Int<kBlockN>, Int<kPrefixK>>{}));
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
@@ -145,9 +149,11 @@ struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256,
 // kLean: the tiles of the kernels with position tests alone (mask.h, kPolicyPositions: windows,
 // lengths, causal alignment) and with segment ids besides (kPolicySegments), whose smaller policy
 // code leaves H 64 room for plain causal's 192 x 128. ptxas today: no spills for positions alone,
-// 76 bytes for segment ids (values reloaded once per block); the ALiBi, data and all-policies
-// sets' kernels spilled 172 / 152 / 300 bytes on it (the latter two before apply_policy read the
-// segment ids in groups), and spill 112 / 48 / 72 on 192 x 112.
+// 76 bytes for segment ids (values reloaded once per block); the data and all-policies sets'
+// kernels spilled 152 / 300 bytes on it (before apply_policy read the segment ids in groups), and
+// spill 48 / 72 on 192 x 112. The ALiBi set's, 4 bytes on 192 x 112 and 44 on 192 x 128 since its
+// prefix's rows' side is in registers (fwd_kernel.h), measured within 1 % on the two (ALiBi 2.31 ms
+// on 192 x 128 against 2.33, 2 rounds, masks-15.csv), inside the rounds' spread: it keeps 192 x 112.
 // Measured (H200, bf16, causal 16k, benchmarks/ab_sm90.sh --masks, interleaved rounds):
 //   positions alone, against 192 x 112 (two machines, 3 and 2 rounds; benchmarks/results/
 //   2026-11-23-nvidia-h200-masks-13.csv): window (2048, 0) 5.3 / 5.1 % faster, a window that
@@ -176,20 +182,20 @@ struct DropoutFwdConfig {
 template <typename Element>
 struct DropoutFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
 
-// ALiBi's k prefix operands (fwd_kernel.h): none, or one per row of the tile and one per key.
+// ALiBi's k prefix operand in smem (fwd_kernel.h): none, or the keys' side, one row per key.
 template <typename Traits, bool kAlibiPrefix>
 struct AlibiPrefixStorage {};
 template <typename Traits>
 struct AlibiPrefixStorage<Traits, true> {
   using Element = typename Traits::Element;
   // The 32-byte swizzle repeats every 256 bytes (8 rows of 32), the alignment wgmma needs here.
-  alignas(256) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQPrefix>> q;
   alignas(256) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutKPrefix>> k;
 };
 
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
-// kAlibiPrefix adds ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h): 8 KB at 128 x 128, which the plain
-// tiles could not all spare (H 256's 128 x 80 uses 224 of the 227 KB).
+// kAlibiPrefix adds the keys' side of ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h): 4 KB at 128 keys.
+// H 256's 128 x 80 has no room even for that (231424 of the 232448 bytes without it), so its ALiBi
+// kernel runs on the general tile, 128 x 64 (GeneralFwdConfig).
 template <typename Traits, bool kAlibiPrefix = false>
 struct SharedStorage {
   using Element = typename Traits::Element;

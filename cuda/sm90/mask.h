@@ -83,6 +83,9 @@ struct TileRows {
   // and test instead of a chain per row and block.
   int pos_free_lo, pos_free_hi;
   int seg_free_lo, seg_free_hi;
+  // With ALiBi on the tensor cores: the first key block with a key right of one of this thread's
+  // rows that the row sees (INT_MAX: none), from which on blocks need ALiBi's |·| (block_needs).
+  int alibi_abs_from;
 };
 
 template <int kPolicies, int kRows, int kTileRowsM, int kBlockN, typename Coords>
@@ -153,30 +156,35 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
   }
   rows.pos_free_lo = (max_lo + kBlockN - 1) / kBlockN;
   rows.pos_free_hi = min_hi >= kBlockN ? (min_hi - kBlockN) / kBlockN : -1;
+  // Row r sees a key right of it in block n iff min(hi, n0 + kBlockN) - 1 > pos: it sees any
+  // (hi - 1 > pos) and the block holds key pos + 1 or a later one, i.e. n >= (pos + 1) / kBlockN.
+  rows.alibi_abs_from = INT_MAX;
+  if (alibi_on_tensor_cores(kPolicies)) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r)
+      if (rows.hi[r] - 1 > rows.pos[r])
+        rows.alibi_abs_from = min(rows.alibi_abs_from, max(rows.pos[r] + 1, 0) / kBlockN);
+  }
   return rows;
 }
 
-// Which per-element tests this thread's elements of key block n_block ([n0, n0 + bn), n0 =
-// n_block · bn) need, as a set of kNeeds* bits: positions, when a row does not see the whole
-// block by position; segments, when the block is not inside the tile's one-segment key run (both
-// from tile_rows' block ranges); the boolean mask, always when given; with ALiBi on the tensor
+// Which per-element tests this thread's elements of key block n_block (of tile_rows' kBlockN keys)
+// need, as a set of kNeeds* bits: positions, when a row does not see the whole block by position;
+// segments, when the block is not inside the tile's one-segment key run; with ALiBi on the tensor
 // cores (alibi_on_tensor_cores), its |·| where a row sees keys right of it in the block
-// (apply_policy). Per thread: each thread masks only its own elements. No loads: it runs between
+// (apply_policy) (all three from tile_rows' block ranges); the boolean mask, always when given.
+// Per thread: each thread masks only its own elements. No loads: it runs between
 // a block's GEMMs and the wait for its scores.
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlibiAbs = 8 };
 
 template <int kPolicies, int kRows>
-__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n_block,
-                                           int bn) {
+__forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n_block) {
   constexpr bool kSegments = kPolicies & kPolicySegments, kBoolMask = kPolicies & kPolicyBoolMask;
-  const int n0 = n_block * bn;
   int needs = kBoolMask && p.mask.mask != nullptr ? kNeedsMask : 0;
   if (n_block < rows.pos_free_lo || n_block > rows.pos_free_hi) needs |= kNeedsPositions;
-  if (alibi_on_tensor_cores(kPolicies) && p.mask.alibi_slopes != nullptr) {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r)
-      if (min(rows.hi[r], n0 + bn) - 1 > rows.pos[r]) needs |= kNeedsAlibiAbs;
-  }
+  // (Without slopes, which the prefix kernel never runs, the flag would only cost time: apply_policy
+  // adds no ALiBi term then.)
+  if (alibi_on_tensor_cores(kPolicies) && n_block >= rows.alibi_abs_from) needs |= kNeedsAlibiAbs;
   if (kSegments && p.mask.q_segment_ids != nullptr && (n_block < rows.seg_free_lo || n_block > rows.seg_free_hi))
     needs |= kNeedsSegments;
   return needs;

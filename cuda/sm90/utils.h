@@ -29,24 +29,26 @@ __forceinline__ __device__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB con
   if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TA&>(tCrA));
 }
 
-// C = A'·B' + A·B as a single wgmma batch, for operands in smem: the prefix pair (A', B') first,
-// which zero-initialises C, then the k blocks of (A, B). Its k blocks may be laid out differently
-// (the descriptors carry each operand's own swizzle).
-template <typename TiledMma, typename TPA, typename TPB, typename TA, typename TB, typename TC>
-__forceinline__ __device__ void gemm_with_prefix(TiledMma& tiled_mma, TPA const& tCrA_prefix, TPB const& tCrB_prefix,
-                                                 TA const& tCrA, TB const& tCrB, TC& tCrC) {
+// C = A'·B' + A·B as a single wgmma batch: the prefix pair first (an RS wgmma, A' in registers,
+// through its own tiled MMA), which zero-initialises C, then the k blocks of (A, B) from smem.
+template <typename PrefixMma, typename TiledMma, typename TPA, typename TPB, typename TA, typename TB, typename TC>
+__forceinline__ __device__ void gemm_with_prefix(PrefixMma& prefix_mma, TiledMma& tiled_mma, TPA& tCrA_prefix,
+                                                 TPB const& tCrB_prefix, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  warpgroup_fence_operand(tCrA_prefix);
   warpgroup_fence_operand(tCrC);
   warpgroup_arrive();
-  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  prefix_mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA_prefix); ++k) {
-    cute::gemm(tiled_mma, tCrA_prefix(_, _, k), tCrB_prefix(_, _, k), tCrC);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    cute::gemm(prefix_mma, tCrA_prefix(_, _, k), tCrB_prefix(_, _, k), tCrC);
+    prefix_mma.accumulate_ = GMMA::ScaleOut::One;
   }
+  tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tCrC);
+  warpgroup_fence_operand(tCrA_prefix);
 }
 
 // Marks the end of a block's softmax before the wait for the P·V GEMM that runs under it. ptxas
