@@ -169,12 +169,13 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     slopes = extras[_SLOPES].ndim != 0
     shapes.append(jax.ShapeDtypeStruct((B, N, -(-k.shape[1] // 64)) if slopes else (), jnp.float32))
     # Workspace the kernels need, as extra results XLA allocates (nothing is allocated per call):
-    # the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE.
+    # the float32 dQ accumulator, and per query row D = rowsum(dO∘O) − dLSE and LSE·log2 e (the
+    # Hopper backward's), in padded rows (jfa::AttentionParams::softmax_d, lse_log2).
     # With deterministic=True, a semaphore per dQ tile and lane orders the adds (zeroed by the
     # kernels), and the accumulator has a copy per lane.
     lanes = _dq_lanes(config)
     shapes += [jax.ShapeDtypeStruct((lanes, B, N, _dq_accum_rows(T), Hp), jnp.float32),
-               jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+               jax.ShapeDtypeStruct((2, B, N, _dq_accum_rows(T)), jnp.float32),
                jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
     dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),

@@ -1,9 +1,10 @@
 """The CUDA kernels on a GPU: forward, LSE and gradients against the float32 reference, with the
 error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
 
-The forward runs through the default dispatch: on an sm90 GPU the Hopper kernel for head dims
-64/128/256 (the others, and the backward, on the portable kernels). The tests named `portable`
-force the portable forward with JFA_FORCE_SM80=1 (read at each dispatch), so both paths are covered.
+Everything runs through the default dispatch: on an sm90 GPU the Hopper forward for head dims
+64/128/256 and the Hopper backward for plain and causal calls at head dims 64/128 (the rest on the
+portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
+at each dispatch), so both paths are covered.
 
 Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
 skipping (README, "Developing")."""
@@ -163,6 +164,34 @@ def test_gradients_match_reference(shape, is_causal, dtype):
         assert g.shape == x.shape and g.dtype == x.dtype
         bound = 2 * rel_err(p, rp) + 4 * SLACK[dtype]
         assert rel_err(g, r) <= bound, f"seed {seed}: d{name} {rel_err(g, r)} > {bound}"
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", PORTABLE_SHAPES + [(1, 1000, 255, 4, 1, 64, 64)], ids=_ids)
+def test_gradients_portable_backward_forced(shape, is_causal, monkeypatch):
+    """JFA_FORCE_SM80=1 runs the portable backward; its gradients and the default's (the Hopper
+    backward on sm90 at head dims 64 and 128) both match the reference, and each other."""
+    seed = fresh_seed()
+    dtype = jnp.bfloat16
+    B, T, S, N, K, H, Hv = shape
+    q, k, v = random_qkv(seed, *shape, dtype=dtype)
+    do = jax.random.normal(jax.random.key(seed + 1), (B, T, N, Hv)).astype(dtype)
+    dlse = jax.random.normal(jax.random.key(seed + 2), (B, T, N), jnp.float32)
+
+    def grads():  # a fresh jit each time: dispatched again
+        return jax.jit(lambda q, k, v: jax.vjp(
+            lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal, return_lse=True,
+                                                implementation="cuda"), q, k, v)[1]((do, dlse)))(q, k, v)
+
+    default = grads()
+    monkeypatch.setenv("JFA_FORCE_SM80", "1")
+    portable = grads()
+    _, _, ref = reference_with_grads(q, k, v, do, dlse, is_causal=is_causal)
+    _, grad_bound = BOUNDS[dtype]
+    for name, a, b, r in zip("qkv", default, portable, ref):
+        assert rel_err(a, r) <= grad_bound, f"seed {seed}: d{name} (default) {rel_err(a, r)}"
+        assert rel_err(b, r) <= grad_bound, f"seed {seed}: d{name} (portable) {rel_err(b, r)}"
+        assert rel_err(a, b) <= grad_bound, f"seed {seed}: d{name} default vs portable {rel_err(a, b)}"
 
 
 def test_vmap_and_unbatched_on_gpu():

@@ -8,9 +8,10 @@
 // alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
 // ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
 // accumulated by the kernels' atomics. On
-// sm90 the Hopper forward takes every mask feature and dropout (head dims 64, 128, 256; the backward
-// and other head dims run on the portable kernels). deterministic=True orders the backward's dQ adds (a semaphore
-// workspace per dQ tile) and needs a bias without broadcast axes.
+// sm90 the Hopper forward takes every mask feature and dropout (head dims 64, 128, 256), and the
+// Hopper backward plain and causal calls (head dims 64, 128); the rest runs on the portable kernels.
+// deterministic=True orders the backward's dQ adds (a semaphore workspace per dQ tile) and needs a
+// bias without broadcast axes.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -68,19 +69,38 @@ int device_capability() {
 }
 #endif
 
-// The forward kernel for this call: the Hopper kernel on a compute capability 9.0 device when it
-// was built for (dtype, head dim) and takes the call's layout, else the portable one.
-// JFA_FORCE_SM80=1 forces the portable kernel. It is read at every dispatch (a getenv, no
-// allocation), so one process can time both kernels (benchmarks/bench_attention.py sets it around
-// its jax_flashattn_sm80 rows); a jitted function captured into a CUDA graph keeps the kernel it
-// was captured with.
-cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
+// The kernels for this call: the Hopper ones on a compute capability 9.0 device when they were
+// built for (dtype, head dim) and take the call, else the portable ones. JFA_FORCE_SM80=1 forces
+// the portable kernels. It is read at every dispatch (a getenv, no allocation), so one process can
+// time both (benchmarks/bench_attention.py sets it around its jax_flashattn_sm80 rows); a jitted
+// function captured into a CUDA graph keeps the kernels it was captured with.
+bool hopper_allowed() {
 #ifdef JFA_HAS_SM90
   const char* force = std::getenv("JFA_FORCE_SM80");
   const bool forced = force != nullptr && std::strcmp(force, "1") == 0;
-  if (!forced && device_capability() == 90 && sm90::can_implement(p)) return sm90::forward(p, stream);
+  return !forced && device_capability() == 90;
+#else
+  return false;
+#endif
+}
+
+cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
+#ifdef JFA_HAS_SM90
+  if (hopper_allowed() && sm90::can_implement(p)) return sm90::forward(p, stream);
 #endif
   return sm80::forward(p, stream);
+}
+
+// `lse_log2`: the row-statistics workspace's second plane, which only the Hopper backward uses.
+cudaError_t backward_dispatch(AttentionParams p, float* lse_log2, cudaStream_t stream) {
+#ifdef JFA_HAS_SM90
+  if (hopper_allowed() && sm90::can_implement_backward(p)) {
+    p.lse_log2 = lse_log2;
+    return sm90::backward(p, stream);
+  }
+#endif
+  (void)lse_log2;
+  return sm80::backward(p, stream);
 }
 
 ffi::Error launched(cudaError_t err, const char* what) {
@@ -147,7 +167,8 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                   ffi::DataType::F32);
       e.failure())
     return e;
-  if (auto e = ffi_decode::expect(*softmax_d, "softmax workspace", {p.B, p.N, p.T},
+  // Row statistics (params.h): D, and LSE·log2 e for the Hopper backward, in padded rows.
+  if (auto e = ffi_decode::expect(*softmax_d, "row statistics workspace", {2, p.B, p.N, p.dq_accum_rows()},
                                   ffi::DataType::F32);
       e.failure())
     return e;
@@ -182,7 +203,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     }
     return ffi::Error::Success();
   }
-  return launched(sm80::backward(p, stream), "backward");
+  return launched(backward_dispatch(p, p.softmax_d + p.B * p.N * p.dq_accum_rows(), stream), "backward");
 }
 
 }  // namespace
@@ -242,7 +263,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
                                   .Ret<xla::ffi::AnyBuffer>()  // dslopes, float32 [B, N, ceil(S/64)] partial sums (rank 0 without ALiBi)
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
-                                  .Ret<xla::ffi::AnyBuffer>()  // softmax_d workspace, float32 BNT
+                                  .Ret<xla::ffi::AnyBuffer>()  // row statistics workspace, float32 [2, B, N, padded T]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")

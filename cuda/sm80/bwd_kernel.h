@@ -1,6 +1,6 @@
 // Backward kernels (FlashAttention-2 on mma.sync).
 //
-//   1. bwd_preprocess_kernel: D = rowsum(dO∘O) − dLSE into softmax_d [B,N,T].
+//   1. bwd_row_stats_kernel (jfa/bwd_row_stats.cuh): D = rowsum(dO∘O) − dLSE into softmax_d.
 //   2. bwd_kernel: one CTA per (key tile, kv head, batch). It loops over the G query heads of its
 //      group and over their query tiles, so dK and dV are complete in registers at the end
 //      (no atomics, no workspace for them). Per query tile:
@@ -22,6 +22,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "jfa/bwd_row_stats.cuh"
 #include "jfa/params.h"
 #include "dq_accum.h"
 #include "kernel_traits.h"
@@ -31,42 +32,6 @@
 namespace jfa::sm80 {
 
 using namespace cute;
-
-// ---------------------------------------------------------------------------------------------
-// 1. D = rowsum(dO∘O) − dLSE. kThreadsPerRow threads read one (b, t, n) row with 16-byte loads.
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const AttentionParams p) {
-  constexpr int kElems = 8;
-  constexpr int kThreadsPerRow = kHeadDim / kElems;  // 4, 8, 12, 16, 24 or 32
-  constexpr int kLanesPerRow = kThreadsPerRow <= 4 ? 4 : kThreadsPerRow <= 8 ? 8 : kThreadsPerRow <= 16 ? 16 : 32;
-  constexpr int kRowsPerBlock = 256 / kLanesPerRow;
-  const int lane_in_row = threadIdx.x % kLanesPerRow;
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;  // over (b, t, n)
-  const int64_t rows = p.B * p.T * p.N;
-  float acc = 0.f;
-  int64_t n = 0, t = 0, b = 0;
-  if (row < rows) {
-    n = row % p.N;
-    t = (row / p.N) % p.T;
-    b = row / (p.N * p.T);
-    if (lane_in_row < kThreadsPerRow) {
-      const Element* o = static_cast<const Element*>(p.o) + b * p.o_strides.batch + t * p.o_strides.row + n * p.o_strides.head;
-      const Element* d = static_cast<const Element*>(p.dout) + b * p.do_strides.batch + t * p.do_strides.row + n * p.do_strides.head;
-      const uint4 ov = reinterpret_cast<const uint4*>(o)[lane_in_row];
-      const uint4 dv = reinterpret_cast<const uint4*>(d)[lane_in_row];
-      const Element* oe = reinterpret_cast<const Element*>(&ov);
-      const Element* de = reinterpret_cast<const Element*>(&dv);
-      CUTE_UNROLL
-      for (int i = 0; i < kElems; ++i) acc += float(oe[i]) * float(de[i]);
-    }
-  }
-  CUTE_UNROLL
-  for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  if (row < rows && lane_in_row == 0) {
-    if (p.dlse != nullptr) acc -= p.dlse[b * p.lse_strides.batch + t * p.lse_strides.row + n * p.lse_strides.head];
-    p.softmax_d[(b * p.N + n) * p.T + t] = acc;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // 3. dq = scale · dq_accum. One CTA per query tile, reading the tile in the fragment order the main
@@ -356,7 +321,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   float lse_log2[kNRows], dsum[kNRows];
   auto load_row_stats = [&](const Step& s) {
     const float* lse_ptr = p.lse + batch * p.lse_strides.batch + s.head * p.lse_strides.head;
-    const float* d_ptr = p.softmax_d + (batch * p.N + s.head) * p.T;
+    const float* d_ptr = p.softmax_d + (batch * p.N + s.head) * p.dq_accum_rows();
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const int row = s.m0 + get<0>(tScS_rc(mi, 0));

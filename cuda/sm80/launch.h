@@ -69,8 +69,6 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
   using F = VariantFlags<kVariant>;
   using Traits = typename std::conditional_t<F::kGeneral, GeneralBwdConfig<Element, kHeadDim>,
                                              BwdConfig<Element, kHeadDim>>::Traits;
-  const int64_t rows = p.B * p.T * p.N;
-
   // dq_accum is accumulated with atomics: start from zero (padding rows and the lanes used
   // included: the ordered causal kernel's, dq_accum.h).
   constexpr int kLanes = kDqLanesOf<F::kCausal, F::kOrdered>;
@@ -95,10 +93,8 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
 
-  constexpr int kLanesPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
-  constexpr int kRowsPerBlock = 256 / kLanesPerRow;
-  bwd_preprocess_kernel<Element, kHeadDim>
-      <<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)), 256, 0, stream>>>(p);
+  bwd_row_stats_kernel<Element, kHeadDim>
+      <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   err = detail::launch_bwd_main<Traits, F::kCausal, F::kGeneral, F::kDropout, F::kOrdered>(p, stream);

@@ -1,10 +1,11 @@
-// Host entry points of the Hopper (sm90a) forward kernel: TMA + wgmma + warp specialization.
+// Host entry points of the Hopper (sm90a) kernels: TMA + wgmma + warp specialization.
 //
-// Host-only: includable from a .cc compiled by a plain C++ compiler. Only the forward pass lives
-// here; the backward pass stays on the portable kernels (sm80/api.h), which read the LSE this
-// kernel writes (float32, natural log, [B,T,N] through lse_strides) exactly as their own forward
-// writes it. forward() only enqueues work on `stream` (no allocation, no synchronization:
-// CUDA-graph safe); call it only on a device of compute capability 9.0.
+// Host-only: includable from a .cc compiled by a plain C++ compiler. The forward takes every mask
+// and dropout; the backward takes plain and top-left causal calls (the others run on the portable
+// kernels, sm80/api.h). Both kernels' LSE is the portable ones' (float32, natural log, [B,T,N]
+// through lse_strides), so either backward follows either forward. Both functions only enqueue
+// work on `stream` (no allocation, no synchronization: CUDA-graph safe); call them only on a device
+// of compute capability 9.0.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,5 +24,14 @@ bool can_implement(const AttentionParams& p);
 
 // Writes p.o and p.lse (float32, natural log). cudaErrorNotSupported where !can_implement(p).
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
+
+// Whether backward() takes this call: a built variant (head dims 64 and 128), plain or top-left
+// causal attention without any mask feature, score modifier or dropout (p.mask.active() false), not
+// deterministic, and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
+bool can_implement_backward(const AttentionParams& p);
+
+// Writes p.dq, p.dk, p.dv. Workspace: p.dq_accum (one lane), p.softmax_d and p.lse_log2 (params.h);
+// p.dlse may be null. cudaErrorNotSupported where !can_implement_backward(p).
+cudaError_t backward(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace jfa::sm90

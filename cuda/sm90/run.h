@@ -1,4 +1,4 @@
-// Declarations of the per-variant launchers (defined in cuda/instantiations/sm90_fwd_*.cu). Light
+// Declarations of the per-variant launchers (defined in cuda/instantiations/sm90_*.cu). Light
 // on purpose: api.cu includes this, not the kernel, so the dispatch compiles in seconds.
 #pragma once
 
@@ -16,6 +16,10 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
 // compiles beside the others; run_fwd calls it for calls with dropout.
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_dropout(const AttentionParams& p, cudaStream_t stream);
+
+// The backward (bwd_launch.h): plain and top-left causal calls (api.h, can_implement_backward).
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream);
 
 // Streaming multiprocessors of the current device (queried once per device).
 int num_sms();

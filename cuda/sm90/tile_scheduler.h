@@ -31,6 +31,17 @@ struct TileWork {
   int n_begin, n_end;
 };
 
+// The order of longest-first tiles: tiles in sections of `section_bh` (batch, head) pairs, and
+// within a section by length rank (0: the longest), the pairs of one rank adjacent. Returns
+// (rank, pair).
+__forceinline__ __device__ int2 longest_first_order(int tile, int num_blocks, int num_bh, int section_bh) {
+  const int section_tiles = section_bh * num_blocks;
+  const int section = tile / section_tiles;
+  const int r = tile - section * section_tiles;
+  const int heads_here = min(section_bh, num_bh - section * section_bh);
+  return make_int2(r / heads_here, section * section_bh + r % heads_here);
+}
+
 template <bool kLongestFirst>
 struct TileScheduler {
   int num_m_blocks;
@@ -42,12 +53,9 @@ struct TileScheduler {
   __forceinline__ __device__ TileCoord get(int tile) const {
     int m_block, bh;
     if constexpr (kLongestFirst) {
-      const int section_tiles = section_bh * num_m_blocks;
-      const int section = tile / section_tiles;
-      const int r = tile - section * section_tiles;
-      const int heads_here = min(section_bh, num_bh - section * section_bh);
-      m_block = num_m_blocks - 1 - r / heads_here;
-      bh = section * section_bh + r % heads_here;
+      const int2 order = longest_first_order(tile, num_m_blocks, num_bh, section_bh);
+      m_block = num_m_blocks - 1 - order.x;  // the last query blocks see the most keys
+      bh = order.y;
     } else {
       m_block = tile % num_m_blocks;
       bh = tile / num_m_blocks;
@@ -61,11 +69,45 @@ struct TileScheduler {
   }
 };
 
+// The backward's tiles: a CTA per (key block, K/V head, batch), one grid of them, issued in index
+// order. A key block's CTA walks every query block that sees it, so with top-left causal the first
+// key blocks are the longest: they go first (longest-first sections, as above). Without causality
+// all of a head's key blocks are adjacent, so the CTAs running together share its Q and dO in L2.
+// `head` of the TileCoord is the K/V head, `m_block` the key block.
+template <bool kLongestFirst>
+struct BwdTileOrder {
+  int num_n_blocks;
+  int num_kv_heads;  // K
+  int num_bk;        // B · K
+  int section_bk;    // (batch, K/V head) pairs per L2 section (kLongestFirst only)
+
+  __forceinline__ __device__ TileCoord get(int tile) const {
+    int n_block, bk;
+    if constexpr (kLongestFirst) {
+      const int2 order = longest_first_order(tile, num_n_blocks, num_bk, section_bk);
+      n_block = order.x;
+      bk = order.y;
+    } else {
+      n_block = tile % num_n_blocks;
+      bk = tile / num_n_blocks;
+    }
+    return {n_block, bk % num_kv_heads, bk / num_kv_heads};
+  }
+};
+
 // Query (batch, head) pairs whose K and V fit together in `l2_bytes` (at least one).
 inline int l2_section_bh(int64_t S, int64_t H, int64_t element_bytes, int64_t group, int64_t l2_bytes) {
   const int64_t kv_bytes = 2 * S * H * element_bytes;  // K and V of one K/V head
   const int64_t heads = l2_bytes / kv_bytes * group;   // query heads share their group's K/V
   return int(heads < 1 ? 1 : (heads > (1 << 30) ? (1 << 30) : heads));
+}
+
+// (batch, K/V head) pairs of the backward whose Q, dO (element_bytes each) and float32 dQ partial
+// sums, over the `group` query heads of each, fit together in `l2_bytes` (at least one).
+inline int l2_section_bk(int64_t T, int64_t H, int64_t element_bytes, int64_t group, int64_t l2_bytes) {
+  const int64_t bytes = group * T * H * (2 * element_bytes + 4);
+  const int64_t pairs = l2_bytes / bytes;
+  return int(pairs < 1 ? 1 : (pairs > (1 << 30) ? (1 << 30) : pairs));
 }
 
 }  // namespace jfa::sm90

@@ -1,6 +1,9 @@
 // The sm80 kernels checked from C++, without JAX: random inputs (a fresh seed each run), NaN-poisoned
 // outputs, a double-precision CPU reference for o, lse, dq, dk, dv. Built and run by .ci/gpu-run,
-// under compute-sanitizer (memcheck, racecheck) with --small.
+// under compute-sanitizer (memcheck, racecheck) with --small. Built with -DJFA_CHECK_SM90 (and the
+// sm90 library) it also runs the Hopper backward on every case it takes (sm90/api.h,
+// can_implement_backward), against the same reference, on a compute capability 9.0 device; the
+// timings then include it.
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only; --bench H CAUSAL times one problem (bf16, 16k; for A/B runs
@@ -29,6 +32,9 @@
 #include "jfa/params.h"
 #include "jfa/philox.h"
 #include "sm80/api.h"
+#ifdef JFA_CHECK_SM90
+#include "sm90/api.h"
+#endif
 
 using jfa::AttentionParams;
 using jfa::DType;
@@ -357,6 +363,15 @@ static int check_ranges(const Config& c, const AttentionParams& hp) {
 
 static int g_failures = 0;
 
+// Whether the current device is a compute capability 9.0 one (the Hopper kernels run there only).
+static bool hopper_device() {
+  int device = 0, major = 0, minor = 0;
+  CK(cudaGetDevice(&device));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
 static void run_case(const Config& c, std::mt19937& rng) {
   const char* dtn = c.dt == DType::kBFloat16 ? "bf16" : "fp16";
   if (!jfa::sm80::is_built(c.dt, c.H)) {
@@ -424,7 +439,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMemcpy(d_dlse, dlse.data(), rows * 4, cudaMemcpyHostToDevice));
   const size_t acc_elems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_accum_rows() * c.H;  // every lane (params.h)
   CK(cudaMalloc(&d_dqacc, acc_elems * 4)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
-  CK(cudaMalloc(&d_D, rows * 4)); CK(cudaMemset(d_D, 0xFF, rows * 4));
+  const size_t stat_rows = size_t(c.B) * c.N * p.dq_accum_rows();  // params.h: softmax_d, lse_log2
+  CK(cudaMalloc(&d_D, 2 * stat_rows * 4)); CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
   p.o = d_o; p.o_strides = o_layout.strides();
   p.lse = d_lse; p.lse_strides = jfa::Strides{int64_t(c.T) * c.N, c.N, 1};
   p.dout = upload(dout.data); p.do_strides = dout.strides();
@@ -465,6 +481,24 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMemcpy(h_dk.data(), d_dk, k.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(h_dv.data(), d_dv, v.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(h_lse.data(), d_lse, rows * 4, cudaMemcpyDeviceToHost));
+  // The Hopper backward on the same inputs, its outputs poisoned again.
+  bool hopper = false;
+  std::vector<uint16_t> h_dq90(o_elems), h_dk90(k.size()), h_dv90(v.size());
+#ifdef JFA_CHECK_SM90
+  if (hopper_device() && jfa::sm90::can_implement_backward(p)) {
+    hopper = true;
+    CK(cudaMemset(d_dq, 0xFF, o_elems * 2)); CK(cudaMemset(d_dk, 0xFF, k.size() * 2));
+    CK(cudaMemset(d_dv, 0xFF, v.size() * 2)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
+    CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
+    p.lse_log2 = d_D + stat_rows;
+    CK(jfa::sm90::backward(p, stream));
+    CK(cudaStreamSynchronize(stream));
+    p.lse_log2 = nullptr;
+    CK(cudaMemcpy(h_dq90.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h_dk90.data(), d_dk, k.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h_dv90.data(), d_dv, v.size() * 2, cudaMemcpyDeviceToHost));
+  }
+#endif
 
   Ref ref = reference(c, q, k, v, dout, dlse, scale, hp);
   const int range_misses = p.mask.active() ? check_ranges(c, hp) : 0;
@@ -550,6 +584,20 @@ static void run_case(const Config& c, std::mt19937& rng) {
          ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e[0], e[1], e[2], e[3], e[4], ma[2], ma[3],
          (fin[0] && fin[1] && fin[2] && fin[3] && fin[4]) ? "" : " NONFINITE");
   fflush(stdout);
+  if (hopper) {
+    const std::vector<double> dq90 = gather(h_dq90, o_layout), dk90 = gather(h_dk90, k), dv90 = gather(h_dv90, v);
+    double m90[3];
+    bool f90[3];
+    const double e90[3] = {rel_err(dq90, ref.dq, &m90[0], &f90[0]), rel_err(dk90, ref.dk, &m90[1], &f90[1]),
+                           rel_err(dv90, ref.dv, &m90[2], &f90[2])};
+    bool ok90 = true;
+    for (int i = 0; i < 3; ++i) ok90 = ok90 && f90[i] && (e90[i] <= 4 * tol || m90[i] <= abs_tol);
+    if (!ok90) ++g_failures;
+    printf("%s sm90-bwd %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
+           ok90 ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e90[0], e90[1], e90[2],
+           m90[0], m90[1], (f90[0] && f90[1] && f90[2]) ? "" : " NONFINITE");
+    fflush(stdout);
+  }
   CK(cudaStreamDestroy(stream));
   for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, (void*)p.dout, d_o, d_dq, d_dk, d_dv, (void*)d_lse, (void*)d_dlse,
                     (void*)d_dqacc, (void*)d_D})
@@ -577,7 +625,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   for (int i = 0; i < 8; ++i) bufs[i] = upload(h);
   float *lse, *dqacc, *D;
   const size_t acc_rows = size_t(jfa::kDqLanes) * B * N * p.dq_accum_rows();  // every lane of the deterministic run
-  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * H * 4)); CK(cudaMalloc(&D, rows * 4));
+  const size_t stat_rows = size_t(B) * N * p.dq_accum_rows();
+  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * H * 4)); CK(cudaMalloc(&D, 2 * stat_rows * 4));
   auto st = jfa::packed_strides(T, N, H);
   p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3]; p.dout = bufs[4];
   p.dq = bufs[5]; p.dk = bufs[6]; p.dv = bufs[7];
@@ -588,12 +637,19 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   CK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  auto time = [&](bool bwd) {
-    for (int i = 0; i < 3; ++i) CK(bwd ? jfa::sm80::backward(p, s) : jfa::sm80::forward(p, s));
+  // What `time` runs: 0 the forward, 1 the backward, 2 the Hopper backward.
+  auto run = [&](int what) {
+#ifdef JFA_CHECK_SM90
+    if (what == 2) return jfa::sm90::backward(p, s);
+#endif
+    return what == 1 ? jfa::sm80::backward(p, s) : jfa::sm80::forward(p, s);
+  };
+  auto time = [&](int what) {
+    for (int i = 0; i < 3; ++i) CK(run(what));
     std::vector<float> ms;
     for (int r = 0; r < 10; ++r) {
       CK(cudaEventRecord(e0, s));
-      CK(bwd ? jfa::sm80::backward(p, s) : jfa::sm80::forward(p, s));
+      CK(run(what));
       CK(cudaEventRecord(e1, s));
       CK(cudaEventSynchronize(e1));
       float t;
@@ -604,16 +660,26 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
     return ms[ms.size() / 2];
   };
   CK(jfa::sm80::forward(p, s));
-  const float tf = time(false), tb = time(true);
+  const float tf = time(0), tb = time(1);
   // The deterministic backward (ordered dQ adds) on the same problem.
   int32_t* sem;
   CK(cudaMalloc(&sem, size_t(jfa::kDqLanes) * B * N * p.dq_semaphores_per_head() * 4));
   p.deterministic = true;
   p.dq_semaphore = sem;
-  const float tb_det = time(true);
+  const float tb_det = time(1);
   p.deterministic = false;
   CK(cudaFree(sem));
   double flops = 4.0 * B * double(T) * S * N * H * (causal ? 0.5 : 1.0);
+#ifdef JFA_CHECK_SM90
+  if (hopper_device() && jfa::sm90::can_implement_backward(p)) {
+    p.lse_log2 = D + stat_rows;
+    const float tb90 = time(2);
+    p.lse_log2 = nullptr;
+    printf("BENCH sm90-bwd %s H=%d B=%d T=S=%d N=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (sm80 %.3f ms) | fwd+bwd %.1f TFLOP/s\n",
+           dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, tb90, 2.5 * flops / tb90 * 1e-9, tb,
+           3.5 * flops / (tf + tb90) * 1e-9);
+  }
+#endif
   printf("BENCH %s H=%d B=%d T=S=%d N=%d causal=%d | fwd %.3f ms %.1f TFLOP/s | bwd %.3f ms %.1f TFLOP/s | fwd+bwd %.1f TFLOP/s"
          " | deterministic bwd %.3f ms %.1f TFLOP/s\n",
          dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, causal, tf, flops / tf * 1e-9, tb, 2.5 * flops / tb * 1e-9,
@@ -651,6 +717,15 @@ int main(int argc, char** argv) {
             const bool big = ts[0] >= 1000 || ts[1] >= 1000;
             cases.push_back({big ? 1 : 2, ts[0], ts[1], 2, 2, H, causal, dt, (ts[0] + ts[1]) % 2 == 0, 0});
           }
+    // Around the Hopper backward's tiles (64 or 128 queries by 128 keys): sequences ending just
+    // inside, on and just past a tile edge, a key block no query sees (causal, S > T).
+    for (DType dt : {BF, FP})
+      for (int H : {64, 128})
+        for (bool causal : {false, true}) {
+          cases.push_back({1, 129, 127, 2, 1, H, causal, dt, true, 0});
+          cases.push_back({2, 64, 384, 2, 2, H, causal, dt, false, 0});
+          cases.push_back({1, 513, 257, 3, 3, H, causal, dt, true, 8});
+        }
     for (bool causal : {false, true}) {
       cases.push_back({2, 255, 1000, 8, 2, 128, causal, BF, true, 0});    // GQA
       cases.push_back({1, 1000, 255, 8, 1, 64, causal, FP, true, 0});     // MQA
@@ -736,6 +811,7 @@ int main(int argc, char** argv) {
     bench(BF, 128, 1, 16384, 16, false);
     bench(BF, 128, 1, 16384, 16, true);
     bench(BF, 64, 1, 16384, 32, false);
+    bench(BF, 64, 1, 16384, 32, true);
     bench(BF, 256, 1, 16384, 8, false);
   }
   printf("%d failures\n", g_failures);

@@ -198,7 +198,13 @@ struct AttentionParams {
   // contiguous block, which the kernel stores in the order its threads hold the dQ fragments
   // (sm80/dq_accum.h): its atomics then cover contiguous spans.
   float* dq_accum = nullptr;
-  float* softmax_d = nullptr;  // float32 [B,N,T], packed: rowsum(dO∘O) - dLSE
+  // Row statistics of the backward, float32 [B, N, dq_accum_rows()] each (rows past T: D = 0 and
+  // LSE·log2 e = +inf, so that those rows' probabilities are 0), written by the backward's first
+  // kernel (jfa/bwd_row_stats.cuh): D = rowsum(dO∘O) − dLSE, and LSE·log2 e (the Hopper backward
+  // only; null for the portable one). Padded rows keep every query block's rows whole and 16-byte
+  // aligned, which the Hopper backward's bulk copies of them need.
+  float* softmax_d = nullptr;
+  float* lse_log2 = nullptr;
 
   // Deterministic backward (deterministic=True): every lane of a dQ tile receives its key
   // blocks' adds in increasing key-block order, ordered through dq_semaphore, int32 [kDqLanes, B,

@@ -1,0 +1,66 @@
+// Backward kernel for Hopper (sm90a): TMA loads, wgmma, warp specialization. A CTA per (key block
+// of 128 keys, K/V head, batch), in the order of BwdTileOrder (tile_scheduler.h); it walks the
+// query blocks that see its keys, for each query head of the K/V head's group, so that dK and dV
+// are complete in registers at the end (GQA needs no reduction across CTAs).
+//
+// Roles. Warpgroup 0 is the producer, with its registers lowered by setmaxnreg: warp 0 loads
+// (bwd_producer.h, bwd_load), warp 1 adds each step's dQ partial sums into the float32 accumulator
+// (bwd_store_dq). Warpgroups 1 and 2 compute, 64 keys each (bwd_mainloop.h), then store dK and dV
+// (bwd_epilogue.h). Around it: bwd_row_stats_kernel (D and LSE·log2 e per query row) before, and
+// bwd_convert_dq_kernel (bwd_postprocess.h) after (bwd_launch.h).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "bwd_epilogue.h"
+#include "bwd_mainloop.h"
+#include "bwd_params.h"
+#include "bwd_producer.h"
+#include "bwd_traits.h"
+#include "tile_scheduler.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    bwd_kernel(CUTE_GRID_CONSTANT BwdParams<Traits> const p, BwdTileOrder<kCausal> const order) {
+  using Pipeline = typename Traits::Pipeline;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<BwdSharedStorage<Traits>*>(smem_raw);
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  if (threadIdx.x == 0) ss.kv_full.init(1);
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kQBytes + Traits::kRowStatsBytes;  // a tile and its rows' stats
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kNumMmaThreads;
+  Pipeline pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  const BwdWalk walk = bwd_walk<Traits, kCausal>(p, order);
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) bwd_load(p, ss, pipeline_q, pipeline_do, walk);
+    if (warp == 1) bwd_store_dq(p, ss, walk);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{});
+  clear(tdKrdK);
+  clear(tdVrdV);
+  if (walk.num_steps > 0) bwd_mainloop<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+  bwd_epilogue<Traits>(p, ss, walk, tdKrdK, tdVrdV);
+}
+
+}  // namespace jfa::sm90

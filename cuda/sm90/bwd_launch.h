@@ -1,0 +1,61 @@
+// Host side of the Hopper backward: three launches on the call's stream (no allocation, no
+// synchronization: CUDA-graph safe). Each instantiation file (cuda/generate_instantiations.py)
+// instantiates run_bwd for one (dtype, head dim).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "bwd_kernel.h"
+#include "bwd_postprocess.h"
+#include "bwd_traits.h"
+#include "jfa/bwd_row_stats.cuh"
+#include "jfa/params.h"
+#include "run.h"
+#include "tile_scheduler.h"
+
+namespace jfa::sm90 {
+
+namespace detail {
+
+template <typename Traits, bool kCausal>
+cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  // The dQ partial sums are added into the accumulator: start from zero (padding rows too).
+  cudaError_t err =
+      cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
+  if (err != cudaSuccess) return err;
+  bwd_row_stats_kernel<Element, kHeadDim>
+      <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  const BwdParams<Traits> kp = make_bwd_params<Traits>(p);
+  const int num_bk = int(p.B * p.K);
+  // L2 sections take 32 of the 50 MB of an H100/H200, as the forward's (tile_scheduler.h).
+  const BwdTileOrder<kCausal> order{
+      kp.num_n_blocks, int(p.K), num_bk,
+      std::min(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), p.N / p.K, int64_t(32) << 20), num_bk)};
+  auto kernel = &bwd_kernel<Traits, kCausal>;
+  constexpr int smem = int(sizeof(BwdSharedStorage<Traits>));
+  static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
+  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    return err;
+  kernel<<<dim3(unsigned(kp.num_n_blocks * num_bk)), Traits::kNumThreads, smem, stream>>>(kp, order);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  bwd_convert_dq_kernel<Traits>
+      <<<dim3(unsigned(kp.num_m_blocks * p.N * p.B)), Traits::kNumMmaThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
+  return p.is_causal ? detail::launch_bwd<Traits, true>(p, stream) : detail::launch_bwd<Traits, false>(p, stream);
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,181 @@
+// The Hopper backward's MMA warpgroups: the steps of one key block (bwd_traits.h has the GEMMs).
+//
+// One step, per warpgroup (its 64 keys against the step's kBlockM queries):
+//   issue Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ; wait for Sᵀ: mask, P = exp2(S·scale·log2 e − LSE·log2 e);
+//   wait for dPᵀ: dS = P∘(dP − D); store dSᵀ to smem (transposed: dS);
+//   issue dV += Pᵀ·dO (A from registers); meet the other warpgroup (its dS is in smem);
+//   issue dQ = dS·K; wait for dV (dO's stage is free); issue dK += dSᵀ·Q; wait for dQ;
+//   stage dQ in smem for the dQ writer warp; wait for dK (Q's stage is free).
+// The two warpgroups run in lockstep (dQ needs both halves of dS), so there is no ping-pong: the
+// overlap is between a step's GEMMs and its own element-wise work.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "bwd_params.h"
+#include "bwd_traits.h"
+#include "named_barriers.h"
+#include "utils.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+// P = exp2(S·scale_log2 − LSE·log2 e) for the Sᵀ accumulator's (keys, queries) view `s`, LSE·log2 e
+// per query from smem; keys past S and, top-left causal, keys after their query get P = 0 where
+// `masked` (the caller's test: only blocks that cross S or the diagonal).
+template <bool kCausal, typename Scores, typename Coords>
+__forceinline__ __device__ void bwd_probabilities(Scores& s, Coords const& coords, const float* lse_log2,
+                                                  float scale_log2, bool masked, int key0, int query0, int S) {
+  constexpr int kCols = decltype(size<1>(s))::value;
+  static_assert(kCols % 2 == 0);
+  if (masked) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      const int key = key0 + get<0>(coords(i)), query = query0 + get<1>(coords(i));
+      if (key >= S || (kCausal && key > query)) s(i) = -INFINITY;
+    }
+  }
+  // A thread's queries come in pairs of neighbours (columns 2k, 2k + 1): one 8-byte load each.
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 2) {
+    const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + get<1>(coords(0, c)));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -lse.x));
+      s(r, c + 1) = exp2f(fmaf(s(r, c + 1), scale_log2, -lse.y));
+    }
+  }
+}
+
+// dS = P∘(dP − D), in place of dP, D per query from smem.
+template <typename Grads, typename Probs, typename Coords>
+__forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, Coords const& coords, const float* d) {
+  constexpr int kCols = decltype(size<1>(dp))::value;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 2) {
+    const float2 dd = *reinterpret_cast<const float2*>(d + get<1>(coords(0, c)));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(dp); ++r) {
+      dp(r, c) = prob(r, c) * (dp(r, c) - dd.x);
+      dp(r, c + 1) = prob(r, c + 1) * (dp(r, c + 1) - dd.y);
+    }
+  }
+}
+
+// This warpgroup's dQ share (the dQ accumulator, unscaled) into its smem slice for the dQ writer
+// warp, in the order of BwdTraits::kDqSliceFloats' comment. After the first step it first waits
+// until the writer's add has read the slice.
+template <typename Acc>
+__forceinline__ __device__ void bwd_stage_dq(Acc const& acc, float* slice, int w, int wg_tid, bool first_step) {
+  constexpr int kHandshake = 128 + 32;
+  constexpr int n = decltype(size(acc))::value;
+  static_assert(n % 4 == 0);
+  if (!first_step) bar_sync(kBwdBarDqEmptyFirst + w, kHandshake);
+  CUTE_UNROLL
+  for (int g = 0; g < n / 4; ++g)
+    reinterpret_cast<float4*>(slice)[g * 128 + wg_tid] = make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3));
+  cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (the async proxy)
+  bar_arrive(kBwdBarDqFullFirst + w, kHandshake);
+}
+
+// Runs every step of the CTA's walk (at least one); dK (unscaled) and dV accumulate in the given
+// fragments.
+template <typename Traits, bool kCausal, typename AccKV>
+__forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
+                                             typename Traits::Pipeline& pipeline_q,
+                                             typename Traits::Pipeline& pipeline_do, const BwdWalk& walk,
+                                             AccKV& tdKrdK, AccKV& tdVrdV) {
+  using Element = typename Traits::Element;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int tid = threadIdx.x - 128;
+  const int w = tid / 128, wg_tid = tid % 128;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdSt{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N = H, K = queries, stage)
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K = keys, stage)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);     // (MMA, N = H, K = keys)
+
+  auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
+  auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+  Tensor tdSsdS = thr_copy_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, stage)
+
+  // This thread's (key, query) coordinates in the Sᵀ accumulator.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+
+  const int key0 = walk.n_block * kBlockN;
+  const int S = int(p.attn.S);
+  const float scale_log2 = p.attn.scale_log2;
+  // Blocks that cross S, or, top-left causal, hold a key after one of their queries.
+  auto needs_mask = [&](int m_block) {
+    return key0 + kBlockN > S || (kCausal && key0 + kBlockN - 1 > m_block * kBlockM);
+  };
+
+  ss.kv_full.wait(0);
+  PipelineState read;
+#pragma unroll 1
+  for (int s = 0; s < walk.num_steps; ++s) {
+    const BwdStep st = walk.step(s, p.group);
+    const int stage = read.index();
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    pipeline_q.consumer_wait(read);
+    gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+    pipeline_do.consumer_wait(read);
+    gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+    warpgroup_wait<1>();
+    Tensor scores = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    bwd_probabilities<kCausal>(scores, cS_rc, ss.lse_log2[stage], scale_log2, needs_mask(st.m_block), key0,
+                               st.m_block * kBlockM, S);
+    warpgroup_wait<0>();
+    Tensor grads = make_tensor(tdPrdP.data(), scores.layout());
+    bwd_score_grads(grads, scores, cS_rc, ss.d[stage]);
+
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+    convert(tSrS, rP);
+    convert(tdPrdP, rdS);
+    copy(copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(_, _, _, stage));
+    // dV += Pᵀ·dO, Pᵀ straight from the registers.
+    Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand(tSrS.layout()));
+    gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
+    cutlass::arch::fence_view_async_shared();  // dS visible to wgmma (the async proxy)
+    bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);  // dV has finished
+    pipeline_do.consumer_release(read);
+    Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(tdPrdP.layout()));
+    gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished
+    bwd_stage_dq(tdQrdQ, ss.dq[w], w, wg_tid, s == 0);
+    warpgroup_wait<0>();
+    pipeline_q.consumer_release(read);
+    ++read;
+  }
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,53 @@
+// The Hopper backward's last kernel: dQ = scale · (the float32 accumulator), to the input dtype.
+// One CTA per (query block, query head, batch), one thread per MMA thread of the main kernel: each
+// reads back the values that thread staged (bwd_traits.h, kDqSliceFloats' order) and finds their
+// (row, column) through the same dQ tiled MMA.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "bwd_params.h"
+#include "bwd_traits.h"
+#include "jfa/params.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(const AttentionParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  const int num_m_blocks = int((p.T + kBlockM - 1) / kBlockM);
+  const int m_block = int(blockIdx.x % num_m_blocks);
+  const int head = int((blockIdx.x / num_m_blocks) % p.N);
+  const int batch = int(blockIdx.x / num_m_blocks / p.N);
+  const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;
+
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor coord = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int n = decltype(size(coord))::value;
+  const float4* slice = reinterpret_cast<const float4*>(
+      p.dq_accum + bwd_row_offset<Traits>(p, batch, head, m_block) * kHeadDim + w * Traits::kDqSliceFloats);
+  float v[n];
+  CUTE_UNROLL
+  for (int g = 0; g < n / 4; ++g) {
+    const float4 x = slice[g * 128 + wg_tid];
+    v[4 * g] = x.x; v[4 * g + 1] = x.y; v[4 * g + 2] = x.z; v[4 * g + 3] = x.w;
+  }
+  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_strides.batch + head * p.dq_strides.head;
+  const int m0 = m_block * kBlockM;
+  // Accumulator values (i, i + 1), i even, are columns (c, c + 1) of one row.
+  CUTE_UNROLL
+  for (int i = 0; i < n; i += 2) {
+    const int row = m0 + get<0>(coord(i)), col = get<1>(coord(i));
+    if (row < p.T) {
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(v[i] * p.scale);
+      pair[1] = Element(v[i + 1] * p.scale);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + int64_t(row) * p.dq_strides.row + col) = pair;
+    }
+  }
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,143 @@
+// Tile shapes, thread roles, smem layouts and wgmma atoms of the Hopper (sm90a) backward.
+//
+// A CTA owns one key block of kBlockN = 128 keys of one K/V head (and walks the query blocks of
+// its group's query heads), with one producer warpgroup and two MMA warpgroups of 64 keys each.
+// Every GEMM of a step is laid out so that the two of them that produce dV and dK take their A
+// operand from registers:
+//   Sᵀ  = K·Qᵀ   (M = keys, N = queries, K = H)   SS   the transposed scores ("SdP swapAB")
+//   dPᵀ = V·dOᵀ  (M = keys, N = queries, K = H)   SS
+//   dV += Pᵀ·dO  (M = keys, N = H, K = queries)   RS   Pᵀ is the Sᵀ accumulator, converted
+//   dK += dSᵀ·Q  (M = keys, N = H, K = queries)   RS   the same for dSᵀ
+//   dQ  = dS·K   (M = queries, N = H, K = keys)   SS   dS from smem (it needs both warpgroups' keys)
+// A warpgroup's Sᵀ accumulator has the register layout wgmma wants for an A operand of 64 keys,
+// so P and dS never go through smem for dV and dK; only dS is stored, for dQ. dQ is a partial
+// sum over key blocks: each warpgroup stages its share in smem as float32 and a dQ writer warp of
+// the producer warpgroup adds it into the global accumulator with one bulk reduction
+// (bwd_producer.h), off the MMA warpgroups' path.
+// Tile table (FlashAttention-3's H100 choices, checked against 227 KB smem and 240 registers per
+// MMA thread; per MMA thread dK + dV hold 2·64·H/128 floats, Sᵀ + dPᵀ 2·64·kBlockM/128, dQ
+// kBlockM·H/256):
+//   H  64: 128 x 128  dK+dV 64, Sᵀ+dPᵀ 128, dQ 32 registers; smem Q, dO 2 x 2 x 16, K, V 2 x 16,
+//          dS 2 x 32, dQ 32 KB = 194 KB. The query block is as tall as registers allow: a step's
+//          fixed costs (barriers, waits, stats) spread over more keys·queries.
+//   H 128:  64 x 128  dK+dV 128, Sᵀ+dPᵀ 64, dQ 32; smem Q, dO 2 x 2 x 16, K, V 2 x 32, dS 2 x 16,
+//          dQ 32 KB = 193 KB.
+// Q, dO and dS have two stages, so the next step's loads land and a warpgroup may write the next
+// dS while the other still reads the last one in its dQ GEMM.
+#pragma once
+
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
+#endif
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "tma.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_ = 128>
+struct BwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kStages = 2;
+  static constexpr int kNumMmaWarpGroups = 2;
+  static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockM <= 128);
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;  // + the producer warpgroup
+  static constexpr int kLoadRegs = 24;
+  static constexpr int kMmaRegs = 240;
+  static_assert(kLoadRegs * 128 + kMmaRegs * kNumMmaThreads <= 65536 / kNumThreads / 8 * 8 * kNumThreads,
+                "setmaxnreg budget exceeds the registers the CTA is launched with");
+
+  // dQ = dS·K splits its queries over the warpgroups where there are 128 of them, else its head dim.
+  static constexpr int kDqWarpGroupsM = kBlockM / 64;
+  static constexpr int kDqWarpGroupsN = kNumMmaWarpGroups / kDqWarpGroupsM;
+
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum,
+                           Shape<Int<kBlockM>, Int<kHeadDim / kDqWarpGroupsN>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<Int<kDqWarpGroupsM>, Int<kDqWarpGroupsN>, _1>>{}));
+
+  using SmemAtom = SmemAtomSw128<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // dS as the dQ GEMM's A operand: (queries, keys), keys contiguous.
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+  // Transposed views (the same bytes): Q and dO as the B operand of dK and dV ((H, queries): N =
+  // H is contiguous, MN-major), K as dQ's ((H, keys)), dS as the (keys, queries) tile that the Sᵀ
+  // accumulator's threads store.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // The Sᵀ accumulator's threads store dSᵀ transposed (stmatrix .trans), 8 values each.
+  using SmemCopyAtomdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
+  static_assert((kBlockM * kBlockN / kNumMmaThreads) % 8 == 0);
+
+  // A warpgroup's dQ share in smem: its accumulator values in its own order, value group g (4
+  // floats) of thread t at float (g·128 + t)·4, so that a warpgroup's 16-byte stores are
+  // contiguous; the global accumulator's query block holds the warpgroups' shares one after the
+  // other in the same order (bwd_postprocess.h reads it back).
+  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kNumMmaWarpGroups;
+  static constexpr int kDqSliceBytes = kDqSliceFloats * 4;
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kRowStatsBytes = kBlockM * 4;
+  // dK and dV are staged for their TMA stores in the Q and dO buffers (free by then).
+  static_assert(cosize_v<SmemLayoutQ> >= kBlockN * kHeadDim);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+};
+
+template <typename Element, int kHeadDim>
+struct BwdConfig;
+template <typename Element>
+struct BwdConfig<Element, 64> { using Traits = BwdTraits<Element, 64, 128>; };
+template <typename Element>
+struct BwdConfig<Element, 128> { using Traits = BwdTraits<Element, 128, 64>; };
+
+template <typename Traits>
+struct BwdSharedStorage {
+  using Element = typename Traits::Element;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>> q;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutdO>> dout;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>> k;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutV>> v;
+  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutdS>> ds;
+  alignas(128) float dq[Traits::kNumMmaWarpGroups][Traits::kDqSliceFloats];
+  // Per stage: LSE·log2 e and D of the step's query rows (with Q and with dO).
+  alignas(128) float lse_log2[Traits::kStages][Traits::kBlockM];
+  alignas(128) float d[Traits::kStages][Traits::kBlockM];
+  typename Traits::Pipeline::SharedStorage pipeline_q;
+  typename Traits::Pipeline::SharedStorage pipeline_do;
+  cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V of the CTA's key block have landed
+};
+
+}  // namespace jfa::sm90

@@ -1,0 +1,33 @@
+// Named barriers (bar.sync / bar.arrive with an id and a thread count) of the Hopper kernels, and
+// the ids each kernel gives them. Id 0 is __syncthreads'; the kernels use no CUTLASS collective, so
+// CUTLASS's reserved ids are free. A hardware barrier counts threads per id, so two kernels may
+// reuse ids: only the ids inside one kernel must be distinct.
+#pragma once
+
+namespace jfa::sm90 {
+
+__forceinline__ __device__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__forceinline__ __device__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// The unaligned form, for warps whose lanes may arrive diverged (each spinning on an mbarrier on
+// its own), which bar.sync's aligned form does not allow (synccheck reports it).
+__forceinline__ __device__ void bar_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Forward (fwd_kernel.h), per consumer warpgroup w: its ping-pong scheduler barrier, its tile
+// meeting with the producer warp and its epilogue (ids first + w).
+enum : int { kFwdBarSchedFirst = 1, kFwdBarTileFirst = 4, kFwdBarEpilogueFirst = 7 };
+
+// Backward (bwd_kernel.h): dS of a step complete in smem (all MMA threads); per MMA warpgroup w,
+// its dQ smem slice full (it and the dQ writer warp) and empty again (the same), and its epilogue;
+// and the MMA threads' meeting before the epilogue reuses the Q and dO buffers.
+enum : int {
+  kBwdBarDsReady = 1, kBwdBarDqFullFirst = 2, kBwdBarDqEmptyFirst = 4, kBwdBarEpilogueFirst = 6,
+  kBwdBarMainloopDone = 8
+};
+
+}  // namespace jfa::sm90
