@@ -8,6 +8,9 @@
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only; --bench H CAUSAL times one problem (bf16, 16k; for A/B runs
 //                     and ncu: benchmarks/ab_sm80.sh)
+// ./harness --bench-hopper H CAUSAL [T [N K]]   the Hopper backward alone on one problem (bf16,
+//                     B·T = 16k, default T 16k and N·H = 2048, K = N; for A/B runs and ncu: its
+//                     4th launch is the first timed one)
 // Cases with a feature name (lengths, window, bottom_right, segments, softcap, alibi, bias*, mask,
 // dropout, all, empty) run the kernels' general path (jfa/mask.h policies); the reference computes
 // logits, softcap, bias, ALiBi and the softmax in double, sharing with the kernels only the position
@@ -608,9 +611,10 @@ static void run_case(const Config& c, std::mt19937& rng) {
   if (d_sem != nullptr) CK(cudaFree(d_sem));
 }
 
-static void bench(DType dt, int H, int B, int T, int N, bool causal) {
+static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper_only = false, int K = 0) {
   if (!jfa::sm80::is_built(dt, H)) return;
-  const int S = T, K = N;
+  const int S = T;
+  if (K == 0) K = N;
   AttentionParams p;
   p.B = B; p.T = T; p.S = S; p.N = N; p.K = K; p.H = H; p.Hv = H; p.dtype = dt;
   p.scale = 1.f / std::sqrt(float(H));
@@ -630,7 +634,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   auto st = jfa::packed_strides(T, N, H);
   p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3]; p.dout = bufs[4];
   p.dq = bufs[5]; p.dk = bufs[6]; p.dv = bufs[7];
-  p.q_strides = p.k_strides = p.v_strides = p.o_strides = p.do_strides = p.dq_strides = p.dk_strides = p.dv_strides = st;
+  p.q_strides = p.o_strides = p.do_strides = p.dq_strides = st;
+  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = jfa::packed_strides(S, K, H);
   p.lse = lse; p.lse_strides = jfa::Strides{int64_t(T) * N, N, 1};
   p.dq_accum = dqacc; p.softmax_d = D;
   cudaStream_t s;
@@ -660,6 +665,21 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
     return ms[ms.size() / 2];
   };
   CK(jfa::sm80::forward(p, s));
+  double flops = 4.0 * B * double(T) * S * N * H * (causal ? 0.5 : 1.0);
+#ifdef JFA_CHECK_SM90
+  if (hopper_only) {
+    p.lse_log2 = D + stat_rows;
+    const float tb90 = time(2);
+    printf("BENCH sm90-bwd %s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s\n",
+           dt == DType::kBFloat16 ? "bf16" : "fp16", H, B, T, N, K, causal, tb90, 2.5 * flops / tb90 * 1e-9);
+  }
+#endif
+  if (hopper_only) {
+    for (int i = 0; i < 8; ++i) CK(cudaFree(bufs[i]));
+    CK(cudaFree(lse)); CK(cudaFree(dqacc)); CK(cudaFree(D));
+    CK(cudaStreamDestroy(s));
+    return;
+  }
   const float tf = time(0), tb = time(1);
   // The deterministic backward (ordered dQ adds) on the same problem.
   int32_t* sem;
@@ -669,7 +689,6 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
   const float tb_det = time(1);
   p.deterministic = false;
   CK(cudaFree(sem));
-  double flops = 4.0 * B * double(T) * S * N * H * (causal ? 0.5 : 1.0);
 #ifdef JFA_CHECK_SM90
   if (hopper_device() && jfa::sm90::can_implement_backward(p)) {
     p.lse_log2 = D + stat_rows;
@@ -692,7 +711,8 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal) {
 
 int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "--small";
-  const bool bench_only = argc > 1 && std::string(argv[1]) == "--bench";
+  const bool bench_hopper = argc > 3 && std::string(argv[1]) == "--bench-hopper";
+  const bool bench_only = bench_hopper || (argc > 1 && std::string(argv[1]) == "--bench");
   printf("built: %s\n", jfa::sm80::built_variants());
   // A fresh seed each run; JFA_CHECK_SEED=<seed> replays a run (each case: below).
   const char* seed_env = std::getenv("JFA_CHECK_SEED");
@@ -804,7 +824,11 @@ int main(int argc, char** argv) {
     std::mt19937 case_rng(seed ^ (0x9E3779B9u * unsigned(i + 1)));
     run_case(cases[i], case_rng);
   }
-  if (bench_only && argc > 3) {
+  if (bench_hopper) {
+    const int H = std::atoi(argv[2]), T = argc > 4 ? std::atoi(argv[4]) : 16384;
+    const int N = argc > 5 ? std::atoi(argv[5]) : 16 * 128 / H, K = argc > 6 ? std::atoi(argv[6]) : N;
+    bench(BF, H, std::max(1, 16384 / T), T, N, std::atoi(argv[3]) != 0, true, K);
+  } else if (bench_only && argc > 3) {
     const int H = std::atoi(argv[2]);
     bench(BF, H, 1, 16384, 16 * 128 / H, std::atoi(argv[3]) != 0);
   } else if (!small && std::getenv("JFA_CHECK_CASES") == nullptr) {
