@@ -34,8 +34,10 @@ for root in "$@"; do
   mkdir -p "$obj"
   inc=(-I"$root/cuda" -I"$root/cuda/include" -Icuda -Itests/cuda -isystem "$cutlass")
   srcs=("$root/cuda/sm90/api.cu" tests/cuda/sm90_check.cu)
-  for h in $hdims; do  # the dropout kernel's file, where the tree has one
-    for f in "$root"/cuda/instantiations/sm90_fwd_bf16_hdim${h}{,_dropout}.cu; do [ -f "$f" ] && srcs+=("$f"); done
+  for h in $hdims; do  # the dropout kernel's and the backward's files, where the tree has them
+    for f in "$root"/cuda/instantiations/sm90_{fwd_bf16_hdim${h}{,_dropout},bwd_bf16_hdim${h}}.cu; do
+      [ -f "$f" ] && srcs+=("$f")
+    done
   done
   for src in "${srcs[@]}"; do
     nvcc "${flags[@]}" "${inc[@]}" -c "$src" -o "$obj/$(basename "$src").o" > "$obj/$(basename "$src").log" 2>&1 &

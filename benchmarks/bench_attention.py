@@ -151,7 +151,7 @@ def pass_functions(attn, causal):
 
 
 def configurations(args):
-    for hdim in args.hdims:
+    for hdim in [] if args.gqa_only else args.hdims:
         heads = 2048 // hdim
         for seqlen in args.seqlens:
             yield hdim, seqlen, max(1, args.tokens // seqlen), heads, heads
@@ -245,6 +245,7 @@ def parse_args(argv=None):
     p.add_argument("--causal", type=lambda s: [bool(int(x)) for x in s.split(",")],
                    default=[False, True], help="e.g. 0,1")
     p.add_argument("--gqa", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gqa-only", action="store_true", help="only the GQA rows")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, default=16384, help="B*T of the sweep")
     p.add_argument("--calls", type=int, default=10)

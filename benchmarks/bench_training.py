@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import functools
 import time
 from pathlib import Path
 
@@ -31,15 +30,18 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
 
 def attention_function(name):
-    """A flax attention_fn for `name`, causal."""
+    """A flax attention_fn for `name`, causal whatever Flax passes: newer flax.nnx passes its own
+    `is_causal` (False unless the module is called with it), older versions pass none."""
     if name == "jax_flashattn":
-        from jax_flashattn.flax import attention_fn
-        return functools.partial(attention_fn, is_causal=True)
+        from jax_flashattn.flax import attention_fn as base
+    else:
+        def base(query, key, value, bias=None, mask=None, *, is_causal=False, **unused):
+            return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+                                                implementation=name)
 
-    def jax_nn(query, key, value, bias=None, mask=None, dtype=None, **unused):
-        return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=True,
-                                            implementation=name)
-    return jax_nn
+    def causal(query, key, value, *args, **keywords):
+        return base(query, key, value, *args, **dict(keywords, is_causal=True))
+    return causal
 
 
 def build_model(args, attention_fn):

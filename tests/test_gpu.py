@@ -34,7 +34,7 @@ SHAPES = [
     (1, 100, 130, 6, 3, 80, 80),
     (1, 50, 70, 2, 2, 64, 40),
     (2, 1024, 1024, 8, 2, 128, 128),
-    # Past the Hopper forward's short-sequence tiles (cuda/sm90/launch.h: 128 x 128 for H 64
+    # Past the Hopper forward's short-sequence tiles (cuda/sm90/fwd_launch.h: 128 x 128 for H 64
     # causal up to T = 1536 and H 128 non-causal up to S = 2048; the default tiles beyond).
     (1, 1600, 2100, 4, 2, 64, 64),
     (1, 300, 2100, 4, 4, 128, 128),
@@ -286,7 +286,7 @@ def test_zero_scale_with_segments_on_gpu(H, alibi):
 @pytest.mark.parametrize("H", [64, 256])
 def test_mask_features_past_short_sequences_on_gpu(combo, H):
     """Past T = 1536 the Hopper forward's general path takes its long-sequence tiles (H 64:
-    192 x 112 with three consumers; cuda/sm90/launch.h)."""
+    192 x 112 with three consumers; cuda/sm90/fwd_launch.h)."""
     check_combined(fresh_seed(), (1, 1700, 1800, 4, 2, H), combo, dtype=BF16)
 
 
@@ -300,7 +300,7 @@ def _scattered_segments(seed, B, L):
 @pytest.mark.parametrize("kind", ["packed", "scattered"])
 @pytest.mark.parametrize("H", [64, 128])
 def test_segment_ids_past_short_sequences_on_gpu(kind, H):
-    """Segment ids alone take a kernel of their own (cuda/sm90/launch.h; H 64: the 192 x 128 tile).
+    """Segment ids alone take a kernel of their own (cuda/sm90/fwd_launch.h; H 64: the 192 x 128 tile).
     Rows whose segment the summaries prove one key range fold it into their position bounds
     (cuda/sm90/mask.h, tile_rows): packed sequences that start and end on 16-key chunks (the
     first two of batch row 0); the others, and scattered ids, keep the per-key test."""

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 // causality from p.is_causal, d(bias) by atomics; the plain instantiations compile none of it.
 // kDropout (with kGeneral): dropout too, a separate instantiation (the Philox stream costs registers).
 // kOrdered (without kGeneral): the dQ adds in key-tile order, a separate instantiation so that the
-// default plain and causal kernels compile none of it (it spilled them and cost 7-14 % on an H200).
+// default plain and causal kernels compile none of it (it spilled them).
 template <typename Traits, bool kCausal, bool kGeneral = false, bool kDropout = false, bool kOrdered = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
@@ -193,8 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   };
   auto step_of = [&](int j) {
     // Each key tile's CTA starts at a different step, so the CTAs of one head that run at the
-    // same time add into different dQ tiles instead of queueing on the same addresses
-    // (H200, H128 16k: backward 275 -> 292 TFLOP/s).
+    // same time add into different dQ tiles instead of queueing on the same addresses.
     // The deterministic mode walks them in order instead: the CTAs of neighbouring key tiles then
     // reach a dQ tile one after the other, as its semaphore wants them.
     if (!ordered) j = (j + n_block) % num_steps;
@@ -356,8 +355,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
       // Ordered kernels: the previous step's turn ends only now, after the barrier that orders
       // every thread's adds before thread 0's release, and a gemm after the adds, so the release's
       // fence mostly finds them landed. Later (after this step's S gemm, or at the next barrier)
-      // the next CTA in the order more often misses the release at its early read (measured on
-      // an H200: 3-5 % slower).
+      // the next CTA in the order more often misses the release at its early read.
       if constexpr (kOrdered)
         if (tidx == 0 && j > 0) dq_release_turn(j - 1);
 

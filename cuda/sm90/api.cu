@@ -36,8 +36,8 @@ int hdim_index(int head_dim) {
   return -1;
 }
 
-// The backward's head dims (bwd_traits.h, BwdConfig): a subset of kHeadDims.
-constexpr bool has_backward(int head_dim) { return head_dim == 64 || head_dim == 128; }
+// The backward's head dims (bwd_traits.h, BwdConfig).
+constexpr bool has_backward(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 template <int kBit, typename Element, int kHeadDim>
 cudaError_t call(bool backward, const AttentionParams& p, cudaStream_t stream) {

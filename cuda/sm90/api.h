@@ -25,7 +25,7 @@ bool can_implement(const AttentionParams& p);
 // Writes p.o and p.lse (float32, natural log). cudaErrorNotSupported where !can_implement(p).
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
 
-// Whether backward() takes this call: a built variant (head dims 64 and 128), plain or top-left
+// Whether backward() takes this call: a built variant (head dims 64, 128, 256), plain or top-left
 // causal attention without any mask feature, score modifier or dropout (p.mask.active() false), not
 // deterministic, and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
 bool can_implement_backward(const AttentionParams& p);

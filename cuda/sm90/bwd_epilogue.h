@@ -1,6 +1,6 @@
 // The Hopper backward's epilogue: dK (times the softmax scale) and dV of the CTA's key block, to
-// the input dtype, staged in the Q and dO buffers and stored by TMA, each MMA warpgroup its own
-// 64 keys (rows past S are clipped by TMA). A key block that no query sees stores zeros.
+// the input dtype, staged in the Q and dO buffers and stored by TMA (rows past S are clipped by
+// TMA). A key block that no query sees stores zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,7 +22,7 @@ __forceinline__ __device__ void bwd_epilogue(const BwdParams<Traits>& p, BwdShar
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int tid = threadIdx.x - 128;
-  const int w = tid / 128, wg_tid = tid % 128;
+  const int w = mma_warp_group(), wg_tid = tid % 128;
   CUTE_UNROLL
   for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.attn.scale;
   Tensor rdK = make_tensor<Element>(tdKrdK.layout());
@@ -32,23 +32,47 @@ __forceinline__ __device__ void bwd_epilogue(const BwdParams<Traits>& p, BwdShar
 
   // Both warpgroups' last GEMMs, which read every row of Q and dO, have finished.
   bar_sync(kBwdBarMainloopDone, Traits::kNumMmaThreads);
-  Tensor sdK = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutK{});
-  Tensor sdV = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutV{});
   typename Traits::TiledMmadKV mma_dkv;
-  auto copy_kv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-  auto thr_copy_kv = copy_kv.get_thread_slice(tid);
-  copy(copy_kv, thr_copy_kv.retile_S(rdK), thr_copy_kv.partition_D(sdK));
-  copy(copy_kv, thr_copy_kv.retile_S(rdV), thr_copy_kv.partition_D(sdV));
-  cutlass::arch::fence_view_async_shared();  // visible to TMA
-  bar_sync(kBwdBarEpilogueFirst + w, 128);
-  if (wg_tid == 0) {
-    Tensor mdK = p.tma_dk.get_tma_tensor(p.shape_kv);
-    Tensor mdV = p.tma_dv.get_tma_tensor(p.shape_kv);
-    const int row_block = walk.n_block * Traits::kNumMmaWarpGroups + w;
-    tma_store_rows<kBlockN, kHeadDim>(p.tma_dk, mdK(_, _, walk.kv_head, walk.batch), ss.q.data(), w, row_block);
-    tma_store_rows<kBlockN, kHeadDim>(p.tma_dv, mdV(_, _, walk.kv_head, walk.batch), ss.dout.data(), w, row_block);
-    tma_store_arrive();
-    tma_store_wait<0>();
+  auto store = [&](auto const& tma, Element* smem, int w_rows, int row_block) {
+    Tensor m = tma.get_tma_tensor(p.shape_kv);
+    tma_store_rows<kBlockN, kHeadDim>(tma, m(_, _, walk.kv_head, walk.batch), smem, w_rows, row_block);
+  };
+  if constexpr (Traits::kSplitHead) {
+    // The accumulators hold dKᵀ and dVᵀ (each warpgroup some head dims of every key): stored
+    // transposed (stmatrix .trans) into the (keys, H) tiles, which the first thread stores once
+    // every warpgroup has written its dims.
+    auto copy_kv = make_tiled_copy_C(typename Traits::SmemCopyAtomdKV{}, mma_dkv);
+    auto thr_copy_kv = copy_kv.get_thread_slice(tid);
+    auto transposed = [](Element* smem) {
+      return as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKt{}));
+    };
+    copy(copy_kv, thr_copy_kv.retile_S(rdK), thr_copy_kv.partition_D(transposed(ss.q.data())));
+    copy(copy_kv, thr_copy_kv.retile_S(rdV), thr_copy_kv.partition_D(transposed(ss.dout.data())));
+    cutlass::arch::fence_view_async_shared();  // visible to TMA
+    bar_sync(kBwdBarEpilogueFirst, Traits::kNumMmaThreads);
+    if (tid == 0) {
+      store(p.tma_dk, ss.q.data(), 0, walk.n_block);
+      store(p.tma_dv, ss.dout.data(), 0, walk.n_block);
+      tma_store_arrive();
+      tma_store_wait<0>();
+    }
+  } else {
+    // Each warpgroup holds dK and dV of its 64 keys and stores them itself.
+    auto copy_kv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+    auto thr_copy_kv = copy_kv.get_thread_slice(tid);
+    copy(copy_kv, thr_copy_kv.retile_S(rdK),
+         thr_copy_kv.partition_D(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutK{})));
+    copy(copy_kv, thr_copy_kv.retile_S(rdV),
+         thr_copy_kv.partition_D(make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutV{})));
+    cutlass::arch::fence_view_async_shared();  // visible to TMA
+    bar_sync(kBwdBarEpilogueFirst + w, 128);
+    if (wg_tid == 0) {
+      const int row_block = walk.n_block * Traits::kNumMmaWarpGroups + w;
+      store(p.tma_dk, ss.q.data(), w, row_block);
+      store(p.tma_dv, ss.dout.data(), w, row_block);
+      tma_store_arrive();
+      tma_store_wait<0>();
+    }
   }
 }
 

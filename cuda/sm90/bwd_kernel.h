@@ -1,11 +1,12 @@
-// Backward kernel for Hopper (sm90a): TMA loads, wgmma, warp specialization. A CTA per (key block
-// of 128 keys, K/V head, batch), in the order of BwdTileOrder (tile_scheduler.h); it walks the
-// query blocks that see its keys, for each query head of the K/V head's group, so that dK and dV
-// are complete in registers at the end (GQA needs no reduction across CTAs).
+// Backward kernel for Hopper (sm90a): TMA loads, wgmma, warp specialization. A CTA per (key block,
+// K/V head, batch), in the order of BwdTileOrder (tile_scheduler.h); it walks the query blocks that
+// see its keys, for each query head of the K/V head's group, so that dK and dV are complete in
+// registers at the end (GQA needs no reduction across CTAs).
 //
 // Roles. Warpgroup 0 is the producer, with its registers lowered by setmaxnreg: warp 0 loads
 // (bwd_producer.h, bwd_load), warp 1 adds each step's dQ partial sums into the float32 accumulator
-// (bwd_store_dq). Warpgroups 1 and 2 compute, 64 keys each (bwd_mainloop.h), then store dK and dV
+// (bwd_store_dq). Warpgroups 1 and 2 compute (bwd_mainloop.h: 64 keys each; for wide heads
+// bwd_mainloop_split_head.h: half the head dims each, adding dQ themselves), then store dK and dV
 // (bwd_epilogue.h). Around it: bwd_row_stats_kernel (D and LSE·log2 e per query row) before, and
 // bwd_convert_dq_kernel (bwd_postprocess.h) after (bwd_launch.h).
 #pragma once
@@ -17,6 +18,7 @@
 
 #include "bwd_epilogue.h"
 #include "bwd_mainloop.h"
+#include "bwd_mainloop_split_head.h"
 #include "bwd_params.h"
 #include "bwd_producer.h"
 #include "bwd_traits.h"
@@ -50,16 +52,25 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) bwd_load(p, ss, pipeline_q, pipeline_do, walk);
-    if (warp == 1) bwd_store_dq(p, ss, walk);
+    if constexpr (!Traits::kSplitHead)  // (the split-head layout adds dQ from the MMA threads)
+      if (warp == 1) bwd_store_dq(p, ss, walk);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   typename Traits::TiledMmadKV mma_dkv;
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{});
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{});
+  // (keys, H), or for the split-head layout (H, keys): dKᵀ and dVᵀ.
+  using AccShape = std::conditional_t<Traits::kSplitHead, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>,
+                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>>;
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, AccShape{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, AccShape{});
   clear(tdKrdK);
   clear(tdVrdV);
-  if (walk.num_steps > 0) bwd_mainloop<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+  if (walk.num_steps > 0) {
+    if constexpr (Traits::kSplitHead)
+      bwd_mainloop_split_head<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+    else
+      bwd_mainloop<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+  }
   bwd_epilogue<Traits>(p, ss, walk, tdKrdK, tdVrdV);
 }
 

@@ -34,12 +34,18 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   const BwdParams<Traits> kp = make_bwd_params<Traits>(p);
   const int num_bk = int(p.B * p.K);
   // L2 sections take 32 of the 50 MB of an H100/H200, as the forward's (tile_scheduler.h), but
-  // hold at least two waves of CTAs: longest-first only orders the tiles within a section, and
+  // hold at least a wave of CTAs: longest-first only orders the tiles within a section, and
   // sections of fewer CTAs than the GPU runs at once (GQA, whose CTAs each walk a whole group of
-  // query heads) would start their longest tiles late.
-  const int two_waves = (2 * num_sms() + kp.num_n_blocks - 1) / kp.num_n_blocks;
-  const int section =
-      std::max(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), p.N / p.K, int64_t(32) << 20), two_waves);
+  // query heads) would start their longest tiles late; more than that only spreads the CTAs
+  // running together over more heads than L2 holds. Where one (batch, K/V head) pair alone
+  // overflows that budget (GQA at long sequences), sections buy nothing: one section, longest first
+  // over all.
+  constexpr int64_t kL2Budget = int64_t(32) << 20;
+  const int64_t pair_bytes = (p.N / p.K) * p.T * p.H * (2 * int64_t(sizeof(Element)) + 4);
+  const int one_wave = (num_sms() + kp.num_n_blocks - 1) / kp.num_n_blocks;
+  const int section = pair_bytes > kL2Budget
+                          ? num_bk
+                          : std::max(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), p.N / p.K, kL2Budget), one_wave);
   const BwdTileOrder<kCausal> order{kp.num_n_blocks, int(p.K), num_bk, std::min(section, num_bk)};
   auto kernel = &bwd_kernel<Traits, kCausal>;
   constexpr int smem = int(sizeof(BwdSharedStorage<Traits>));

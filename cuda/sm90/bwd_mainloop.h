@@ -16,6 +16,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "bwd_params.h"
+#include "bwd_softmax.h"
 #include "bwd_traits.h"
 #include "named_barriers.h"
 #include "utils.h"
@@ -23,48 +24,6 @@
 namespace jfa::sm90 {
 
 using namespace cute;
-
-// P = exp2(S·scale_log2 − LSE·log2 e) for the Sᵀ accumulator's (keys, queries) view `s`, LSE·log2 e
-// per query from smem; keys past S and, top-left causal, keys after their query get P = 0 where
-// `masked` (the caller's test: only blocks that cross S or the diagonal).
-template <bool kCausal, typename Scores, typename Coords>
-__forceinline__ __device__ void bwd_probabilities(Scores& s, Coords const& coords, const float* lse_log2,
-                                                  float scale_log2, bool masked, int key0, int query0, int S) {
-  constexpr int kCols = decltype(size<1>(s))::value;
-  static_assert(kCols % 2 == 0);
-  if (masked) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(s); ++i) {
-      const int key = key0 + get<0>(coords(i)), query = query0 + get<1>(coords(i));
-      if (key >= S || (kCausal && key > query)) s(i) = -INFINITY;
-    }
-  }
-  // A thread's queries come in pairs of neighbours (columns 2k, 2k + 1): one 8-byte load each.
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; c += 2) {
-    const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + get<1>(coords(0, c)));
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -lse.x));
-      s(r, c + 1) = exp2f(fmaf(s(r, c + 1), scale_log2, -lse.y));
-    }
-  }
-}
-
-// dS = P∘(dP − D), in place of dP, D per query from smem.
-template <typename Grads, typename Probs, typename Coords>
-__forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, Coords const& coords, const float* d) {
-  constexpr int kCols = decltype(size<1>(dp))::value;
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; c += 2) {
-    const float2 dd = *reinterpret_cast<const float2*>(d + get<1>(coords(0, c)));
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(dp); ++r) {
-      dp(r, c) = prob(r, c) * (dp(r, c) - dd.x);
-      dp(r, c + 1) = prob(r, c + 1) * (dp(r, c + 1) - dd.y);
-    }
-  }
-}
 
 // This warpgroup's dQ share (the dQ accumulator, unscaled) into its smem slice for the dQ writer
 // warp, in the order of BwdTraits::kDqSliceFloats' comment. After the first step it first waits
@@ -93,7 +52,7 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int tid = threadIdx.x - 128;
-  const int w = tid / 128, wg_tid = tid % 128;
+  const int w = mma_warp_group(), wg_tid = tid % 128;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{});
@@ -102,8 +61,8 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdOt{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
-  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdS{});
-  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.step.ds.data()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.step.ds.data()), typename Traits::SmemLayoutdSt{});
 
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
@@ -130,31 +89,17 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
 
   const int key0 = walk.n_block * kBlockN;
   const int S = int(p.attn.S);
-  const float scale_log2 = p.attn.scale_log2;
-  // Blocks that cross S, or, top-left causal, hold a key after one of their queries.
-  auto needs_mask = [&](int m_block) {
-    return key0 + kBlockN > S || (kCausal && key0 + kBlockN - 1 > m_block * kBlockM);
-  };
+  auto needs_mask = [&](int m_block) { return bwd_block_needs_mask<Traits, kCausal>(key0, m_block, S); };
 
-  ss.kv_full.wait(0);
-  PipelineState read;
-#pragma unroll 1
-  for (int s = 0; s < walk.num_steps; ++s) {
-    const BwdStep st = walk.step(s, p.group);
+  bwd_for_each_step<Traits>(ss, walk, p.group, [&](int s, const BwdStep& st, const PipelineState& read)
+                                                    CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    pipeline_q.consumer_wait(read);
-    gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-    pipeline_do.consumer_wait(read);
-    gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-    warpgroup_wait<1>();
-    Tensor scores = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-    bwd_probabilities<kCausal>(scores, cS_rc, ss.lse_log2[stage], scale_log2, needs_mask(st.m_block), key0,
-                               st.m_block * kBlockM, S);
-    warpgroup_wait<0>();
-    Tensor grads = make_tensor(tdPrdP.data(), scores.layout());
-    bwd_score_grads(grads, scores, cS_rc, ss.d[stage]);
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // Pᵀ after this
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // dSᵀ after this
+    bwd_step_scores<kCausal, /*kQueriesInColumns=*/true>(
+        mma_sdp, pipeline_q, pipeline_do, read, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), tSrS,
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn.scale_log2, needs_mask(st.m_block), key0,
+        st.m_block * kBlockM, S);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -171,11 +116,10 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     pipeline_do.consumer_release(read);
     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(tdPrdP.layout()));
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished
-    bwd_stage_dq(tdQrdQ, ss.dq[w], w, wg_tid, s == 0);
+    bwd_stage_dq(tdQrdQ, ss.step.dq[w], w, wg_tid, s == 0);
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
-    ++read;
-  }
+  });
 }
 
 }  // namespace jfa::sm90

@@ -16,15 +16,9 @@ using namespace cute;
 template <typename Traits>
 struct BwdParams {
   using Element = typename Traits::Element;
-  using GIn = decltype(gmem_tensor<Element>(static_cast<const void*>(nullptr), GmemShape{}, GmemStride{}));
-  using GOut = decltype(gmem_tensor<Element>(static_cast<void*>(nullptr), GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(make_tma_load<Traits::kBlockM, Traits::kHeadDim, typename Traits::SmemLayoutQ>(std::declval<GIn>()));
-  using TmaKV = decltype(make_tma_load<Traits::kBlockN, Traits::kHeadDim, typename Traits::SmemLayoutK>(std::declval<GIn>()));
-  using TmaStore = decltype(make_tma_store_box<Element>(std::declval<GOut>()));
-
-  TmaQ tma_q, tma_do;
-  TmaKV tma_k, tma_v;
-  TmaStore tma_dk, tma_dv;
+  TmaLoad<Element, Traits::kBlockM, Traits::kHeadDim, typename Traits::SmemLayoutQ> tma_q, tma_do;
+  TmaLoad<Element, Traits::kBlockN, Traits::kHeadDim, typename Traits::SmemLayoutK> tma_k, tma_v;
+  TmaStoreBox<Element> tma_dk, tma_dv;
   GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); dO has Q's shape, dK and dV K's
   int num_n_blocks, num_m_blocks, group;  // group = N / K query heads per K/V head
   AttentionParams attn;
@@ -36,22 +30,14 @@ BwdParams<Traits> make_bwd_params(const AttentionParams& p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using LayoutQ = typename Traits::SmemLayoutQ;
   using LayoutK = typename Traits::SmemLayoutK;
-  const GmemShape shape_q{int(p.T), int(p.H), int(p.N), int(p.B)};
-  const GmemShape shape_kv{int(p.S), int(p.H), int(p.K), int(p.B)};
-  auto q = gmem_tensor<Element>(p.q, shape_q, gmem_stride(p.q_strides, p.N, p.B));
-  auto dout = gmem_tensor<Element>(p.dout, shape_q, gmem_stride(p.do_strides, p.N, p.B));
-  auto k = gmem_tensor<Element>(p.k, shape_kv, gmem_stride(p.k_strides, p.K, p.B));
-  auto v = gmem_tensor<Element>(p.v, shape_kv, gmem_stride(p.v_strides, p.K, p.B));
-  auto dk = gmem_tensor<Element>(p.dk, shape_kv, gmem_stride(p.dk_strides, p.K, p.B));
-  auto dv = gmem_tensor<Element>(p.dv, shape_kv, gmem_stride(p.dv_strides, p.K, p.B));
-  return BwdParams<Traits>{make_tma_load<kBlockM, kHeadDim, LayoutQ>(q),
-                           make_tma_load<kBlockM, kHeadDim, LayoutQ>(dout),
-                           make_tma_load<kBlockN, kHeadDim, LayoutK>(k),
-                           make_tma_load<kBlockN, kHeadDim, LayoutK>(v),
-                           make_tma_store_box<Element>(dk),
-                           make_tma_store_box<Element>(dv),
-                           shape_q,
-                           shape_kv,
+  return BwdParams<Traits>{make_tma_load<kBlockM, kHeadDim, LayoutQ>(query_tensor<Element>(p, p.q, p.q_strides)),
+                           make_tma_load<kBlockM, kHeadDim, LayoutQ>(query_tensor<Element>(p, p.dout, p.do_strides)),
+                           make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.k, p.k_strides)),
+                           make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.v, p.v_strides)),
+                           make_tma_store_box<Element>(key_tensor<Element>(p, p.dk, p.dk_strides)),
+                           make_tma_store_box<Element>(key_tensor<Element>(p, p.dv, p.dv_strides)),
+                           query_shape(p),
+                           key_shape(p),
                            int((p.S + kBlockN - 1) / kBlockN),
                            int((p.T + kBlockM - 1) / kBlockM),
                            int(p.N / p.K),
@@ -88,6 +74,19 @@ __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Bw
   const int2 range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;
   return BwdWalk{t.head, t.batch, t.m_block, range.x, per_head, per_head * p.group};
+}
+
+// Waits for the CTA's K and V, then runs step(s, the step, the Q/dO ring's read state) for every
+// step of the walk, advancing the ring after each.
+template <typename Traits, typename Storage, typename Body>
+__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, int group, Body&& body) {
+  ss.kv_full.wait(0);
+  typename Traits::PipelineState read;
+#pragma unroll 1
+  for (int s = 0; s < walk.num_steps; ++s) {
+    body(s, walk.step(s, group), read);
+    ++read;
+  }
 }
 
 // Offset of the row statistics (and, times H, of the dQ accumulator) of query block m_block.

@@ -16,59 +16,50 @@ using namespace cute;
 // Warp 0: K and V of the key block once, then per step the query block's Q with its LSE·log2 e
 // rows and its dO with its D rows, each pair on one mbarrier of a 2-stage ring (the Q of step
 // s + 1 goes out right after the dO of step s, as the consumers need them). All lanes wait on the
-// ring, lane 0 issues the copies. Returns the ring's write state after the last step.
+// ring, lane 0 issues the copies.
 template <typename Traits>
 __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
                                          typename Traits::Pipeline& pipeline_q, typename Traits::Pipeline& pipeline_do,
                                          const BwdWalk& walk) {
+  using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const bool leader = threadIdx.x == 0;
   PipelineState write = cutlass::make_producer_start_state<Pipeline>();
   if (walk.num_steps > 0) {
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
-    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
-    Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q);
-    Tensor mK = p.tma_k.get_tma_tensor(p.shape_kv);
-    Tensor mV = p.tma_v.get_tma_tensor(p.shape_kv);
-    const auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
-    const auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-
-    auto load_rows = [&](auto const& tma, auto& gmem, auto& smem, Pipeline& pipeline, const float* stats,
+    // A query block's tile (Q or dO) and its row statistics, on one barrier of `pipeline`'s ring.
+    auto load_rows = [&](auto const& tma, auto const& layout, Element* smem, Pipeline& pipeline, const float* stats,
                          float* stats_smem, BwdStep st) CUTLASS_LAMBDA_FUNC_INLINE {
       pipeline.producer_acquire(write);
       if (leader) {
-        Tensor g = local_tile(gmem(_, _, st.head, walk.batch), tile_q, make_coord(st.m_block, _0{}));
-        auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(smem(_, _, write.index())),
-                                      group_modes<0, 2>(g));
         uint64_t* bar = pipeline.producer_get_barrier(write);
-        copy(tma.with(*bar), tg, ts);
+        tma_load_tile<kBlockM, kHeadDim>(tma, tma.get_tma_tensor(p.shape_q), st.head, walk.batch, st.m_block,
+                                         make_tensor(make_smem_ptr(smem), layout)(_, _, write.index()), *bar);
         bulk_load(stats_smem, stats + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block),
                   Traits::kRowStatsBytes, *bar);
       }
     };
-    const BwdStep first = walk.step(0, p.group);
-    load_rows(p.tma_q, mQ, sQ, pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()], first);
+    const typename Traits::SmemLayoutQ layout_q;
+    const typename Traits::SmemLayoutdO layout_do;
+    load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
+              walk.step(0, p.group));
     if (leader) {
       ss.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
-      Tensor gK = local_tile(mK(_, _, walk.kv_head, walk.batch), tile_kv, make_coord(walk.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, walk.kv_head, walk.batch), tile_kv, make_coord(walk.n_block, _0{}));
-      auto [tKg, tKs] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      copy(p.tma_k.with(reinterpret_cast<uint64_t&>(ss.kv_full)), tKg, tKs);
-      copy(p.tma_v.with(reinterpret_cast<uint64_t&>(ss.kv_full)), tVg, tVs);
+      uint64_t& bar = reinterpret_cast<uint64_t&>(ss.kv_full);
+      tma_load_tile<kBlockN, kHeadDim>(p.tma_k, p.tma_k.get_tma_tensor(p.shape_kv), walk.kv_head, walk.batch,
+                                       walk.n_block, make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{}), bar);
+      tma_load_tile<kBlockN, kHeadDim>(p.tma_v, p.tma_v.get_tma_tensor(p.shape_kv), walk.kv_head, walk.batch,
+                                       walk.n_block, make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{}), bar);
     }
 #pragma unroll 1
     for (int s = 0; s < walk.num_steps; ++s) {
-      const BwdStep st = walk.step(s, p.group);
-      load_rows(p.tma_do, mdO, sdO, pipeline_do, p.attn.softmax_d, ss.d[write.index()], st);
+      load_rows(p.tma_do, layout_do, ss.dout.data(), pipeline_do, p.attn.softmax_d, ss.d[write.index()],
+                walk.step(s, p.group));
       ++write;
       if (s + 1 < walk.num_steps)
-        load_rows(p.tma_q, mQ, sQ, pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()], walk.step(s + 1, p.group));
+        load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
+                  walk.step(s + 1, p.group));
     }
   }
   // Do not exit while a consumer may still arrive on a barrier of this CTA.
@@ -95,7 +86,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
     for (int w = 0; w < 2; ++w) {
       bar_sync(kBwdBarDqFullFirst + w, kHandshake);
       if (leader) {
-        bulk_reduce_add(dq + w * Traits::kDqSliceFloats, ss.dq[w], Traits::kDqSliceBytes);
+        bulk_reduce_add(dq + w * Traits::kDqSliceFloats, ss.step.dq[w], Traits::kDqSliceBytes);
         bulk_commit();
       }
     }

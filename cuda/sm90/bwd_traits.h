@@ -26,25 +26,21 @@
 // dS while the other still reads the last one in its dQ GEMM.
 #pragma once
 
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
-#endif
-
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
-#include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "tma.h"
+#include "utils.h"
 
 namespace jfa::sm90 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_ = 128>
-struct BwdTraits {
+// What both layouts share: the CTA's threads and registers, the Q, dO, K, V tiles (Q and dO in a
+// 2-stage ring, with their transposed views for dK and dV: (H, queries), and K's for dQ: (H,
+// keys)), the dQ share order and the load sizes.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdTraitsBase {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
@@ -52,7 +48,6 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = 2;
   static constexpr int kNumMmaWarpGroups = 2;
-  static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
   static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockM <= 128);
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + the producer warpgroup
@@ -60,6 +55,45 @@ struct BwdTraits {
   static constexpr int kMmaRegs = 240;
   static_assert(kLoadRegs * 128 + kMmaRegs * kNumMmaThreads <= 65536 / kNumThreads / 8 * 8 * kNumThreads,
                 "setmaxnreg budget exceeds the registers the CTA is launched with");
+
+  using SmemAtom = SmemAtomSw128<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // Transposed views (the same bytes), MN-major operands: N or M = H is contiguous.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+
+  // A warpgroup's dQ share: its accumulator values in its own order, value group g (4 floats) of
+  // thread t at float (g·128 + t)·4, so that a warpgroup's 16-byte writes are contiguous; the global
+  // accumulator's query block holds the warpgroups' shares one after the other in the same order
+  // (bwd_postprocess.h reads it back).
+  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kNumMmaWarpGroups;
+  static constexpr int kDqSliceBytes = kDqSliceFloats * 4;
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kRowStatsBytes = kBlockM * 4;
+  // dK and dV are staged for their TMA stores in the Q and dO buffers (free by then).
+  static_assert(cosize_v<SmemLayoutQ> >= kBlockN * kHeadDim);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+};
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_ = 128>
+struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+  using typename Base::Element;
+  using typename Base::ElementAccum;
+  using typename Base::SmemAtom;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumMmaWarpGroups, Base::kStages;
+  static constexpr bool kSplitHead = false;
+  static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
 
   // dQ = dS·K splits its queries over the warpgroups where there are 128 of them, else its head dim.
   static constexpr int kDqWarpGroupsM = kBlockM / 64;
@@ -78,42 +112,56 @@ struct BwdTraits {
                            GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWarpGroupsM>, Int<kDqWarpGroupsN>, _1>>{}));
 
-  using SmemAtom = SmemAtomSw128<Element>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = SmemLayoutK;
-  // dS as the dQ GEMM's A operand: (queries, keys), keys contiguous.
+  // dS as the dQ GEMM's A operand: (queries, keys), keys contiguous; viewed as (keys, queries) for
+  // the Sᵀ accumulator's threads, which store dSᵀ transposed (stmatrix .trans), 8 values each.
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
-  // Transposed views (the same bytes): Q and dO as the B operand of dK and dV ((H, queries): N =
-  // H is contiguous, MN-major), K as dQ's ((H, keys)), dS as the (keys, queries) tile that the Sᵀ
-  // accumulator's threads store.
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // The Sᵀ accumulator's threads store dSᵀ transposed (stmatrix .trans), 8 values each.
   using SmemCopyAtomdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
-  static_assert((kBlockM * kBlockN / kNumMmaThreads) % 8 == 0);
+  static_assert((kBlockM * kBlockN / Base::kNumMmaThreads) % 8 == 0);
+};
 
-  // A warpgroup's dQ share in smem: its accumulator values in its own order, value group g (4
-  // floats) of thread t at float (g·128 + t)·4, so that a warpgroup's 16-byte stores are
-  // contiguous; the global accumulator's query block holds the warpgroups' shares one after the
-  // other in the same order (bwd_postprocess.h reads it back).
-  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kNumMmaWarpGroups;
-  static constexpr int kDqSliceBytes = kDqSliceFloats * 4;
+// H 256: dK and dV of 64 keys hold 2·64·256/128 = 256 floats per thread of a warpgroup that owns
+// those keys, more than its 240 registers. So the warpgroups split the head dim instead: each
+// holds dKᵀ and dVᵀ for its 128 of the 256 dims and every key of a 64-key block (128 floats), and
+// the step's GEMMs are laid out the other way round (bwd_mainloop_split_head.h):
+//   S  = Q·Kᵀ    (M = queries, N = keys, K = H)    SS   each warpgroup 32 of the 64 keys
+//   dP = dO·Vᵀ   (M = queries, N = keys, K = H)    SS
+//   dVᵀ += dOᵀ·P (M = H, N = keys, K = queries)   SS   P from smem (it needs every key)
+//   dKᵀ += Qᵀ·dS (M = H, N = keys, K = queries)   SS   dS from smem
+//   dQ  = dS·K   (M = queries, N = H, K = keys)    SS   each warpgroup 128 of the 256 dims
+// Registers per MMA thread: dKᵀ + dVᵀ 128, S + dP 32, dQ 64. The float32 dQ share (64 KB) has no
+// room in smem beside Q, dO (2 stages each), K, V, P and dS (2 stages each: 225 KB), so each thread
+// adds it into the global accumulator with 16-byte atomics, in the share order of the base.
+template <typename Element_, int kHeadDim_>
+struct BwdTraitsSplitHead : BwdTraitsBase<Element_, kHeadDim_, 64, 64> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, 64, 64>;
+  using typename Base::Element;
+  using typename Base::ElementAccum;
+  using typename Base::SmemAtom;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
+  static constexpr bool kSplitHead = true;
+  static_assert(kHeadDim % 128 == 0);
 
-  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kRowStatsBytes = kBlockM * 4;
-  // dK and dV are staged for their TMA stores in the Q and dO buffers (free by then).
-  static_assert(cosize_v<SmemLayoutQ> >= kBlockN * kHeadDim);
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
+  // P and dS as (queries, keys), keys contiguous: dQ's A operand, and (transposed) the B operand of
+  // dKᵀ and dVᵀ ((keys, queries), MN-major). dK and dV leave through K's transposed view.
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+  using SmemCopyAtomdKV = Copy_Atom<SM90_U16x8_STSM_T, Element>;
 };
 
 template <typename Element, int kHeadDim>
@@ -122,6 +170,21 @@ template <typename Element>
 struct BwdConfig<Element, 64> { using Traits = BwdTraits<Element, 64, 128>; };
 template <typename Element>
 struct BwdConfig<Element, 128> { using Traits = BwdTraits<Element, 128, 64>; };
+template <typename Element>
+struct BwdConfig<Element, 256> { using Traits = BwdTraitsSplitHead<Element, 256>; };
+
+// The smem each layout needs beyond Q, dO, K, V and the row statistics: dS and the staged dQ
+// shares (BwdTraits); P and dS (BwdTraitsSplitHead).
+template <typename Traits, bool kSplitHead = Traits::kSplitHead>
+struct BwdStepStorage {
+  alignas(1024) cute::array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutdS>> ds;
+  alignas(128) float dq[Traits::kNumMmaWarpGroups][Traits::kDqSliceFloats];
+};
+template <typename Traits>
+struct BwdStepStorage<Traits, true> {
+  alignas(1024) cute::array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutPdS>> p;
+  alignas(1024) cute::array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutPdS>> ds;
+};
 
 template <typename Traits>
 struct BwdSharedStorage {
@@ -130,8 +193,7 @@ struct BwdSharedStorage {
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutdO>> dout;
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutK>> k;
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutV>> v;
-  alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutdS>> ds;
-  alignas(128) float dq[Traits::kNumMmaWarpGroups][Traits::kDqSliceFloats];
+  BwdStepStorage<Traits> step;
   // Per stage: LSE·log2 e and D of the step's query rows (with Q and with dO).
   alignas(128) float lse_log2[Traits::kStages][Traits::kBlockM];
   alignas(128) float d[Traits::kStages][Traits::kBlockM];

@@ -1,4 +1,4 @@
-// Dropout of P on the Hopper forward (the dropout kernel, launch.h): the keep mask of every other
+// Dropout of P on the Hopper forward (the dropout kernel, fwd_launch.h): the keep mask of every other
 // path, jfa::dropout_word's (one Philox4x32-10 call per query and 4 neighbouring keys), regenerated
 // from the key here as it is in the backward and on the CPU, never stored.
 //

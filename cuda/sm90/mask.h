@@ -1,9 +1,9 @@
 // The general (masked) path of the sm90 forward: the semantics of jfa::row_policy / row_logit
 // (shared with the sm80 kernels, jfa/row_policy.cuh) applied to one consumer thread's scores of a
 // key block, restructured for speed: every feature test is made once per block, outside the
-// per-element loops, and the per-element work is branch-free (selects, clamped loads). A per-
+// per-element loops, and the per-element work is branch-free (selects, clamped loads): a per-
 // element chain of `if`s costs the consumers more than the masking itself (reconvergence per
-// element; measured: 5-6x slower than plain causal on an H200).
+// element).
 #pragma once
 
 #include <climits>
@@ -21,15 +21,13 @@ using namespace cute;
 
 // The policies a general-path kernel compiles code for (fwd_kernel's kPolicies, a bit set).
 // Positions (causal with either alignment, window, valid lengths) always; ALiBi; the other score
-// modifiers (soft-capping, bias); the data masks (segment ids, boolean mask). launch.h picks the
-// smallest compiled set that covers a call. One kernel with every feature measured ALiBi slower
-// than its instruction count: its hot loop spans the code of every feature's per-element loops,
-// and instruction-cache misses ("no instruction") were 8-12 % of the stall samples (ncu, H200,
-// H 128, causal 16k), against 1 % on the plain path.
+// modifiers (soft-capping, bias); the data masks (segment ids, boolean mask). fwd_launch.h picks
+// the smallest compiled set that covers a call: one kernel with every feature has a hot loop that
+// spans the code of every feature's per-element loops, and misses the instruction cache.
 // Dropout (dropout.h) is a set of its own, kPolicyAll | kPolicyDropout: one kernel, on tiles of its
-// own (launch.h, DropoutFwdConfig), compiled in a translation unit of its own.
+// own (fwd_launch.h, DropoutFwdConfig), compiled in a translation unit of its own.
 // Segment ids alone (with positions) are a set of their own too: without the boolean mask's code
-// H 64 fits them on plain causal's 192 x 128 tile (launch.h).
+// H 64 fits them on plain causal's 192 x 128 tile (fwd_launch.h).
 enum : int {
   kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicySegments = 8, kPolicyDropout = 16,
   kPolicyBoolMask = 32
@@ -38,7 +36,7 @@ enum : int { kPolicyData = kPolicySegments | kPolicyBoolMask };
 enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
 
 // Whether a kernel of policy set `policies` takes ALiBi's term on the tensor cores, as a k prefix of
-// Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): the positions-and-ALiBi set's. Soft-capping must see the
+// Q·Kᵀ (fwd_mainloop.h, kAlibiPrefix): the positions-and-ALiBi set's. Soft-capping must see the
 // logits without it (so not with the score modifiers), and the sets with more features keep the
 // per-element term (their registers and smem are spoken for).
 constexpr bool alibi_on_tensor_cores(int policies) { return policies == (kPolicyPositions | kPolicyAlibi); }
@@ -217,7 +215,7 @@ __forceinline__ __device__ float alibi_shift(float slope, const TileRows<kRows>&
 // row), −slope·|pos − j| is linear in the column, and what varies per element is one FFMA with a
 // compile-time column: slope·c0. Blocks that straddle a row keep the |·| (two instructions).
 // With `alibi_in_scores` the scores arrive holding slope·(j − n0) already (the tensor cores' k
-// prefix, fwd_kernel.h): where every key a thread's rows see lies left of them (needs without
+// prefix, fwd_mainloop.h): where every key a thread's rows see lies left of them (needs without
 // kNeedsAlibiAbs), the shift is all that is left, slope·(n0 − pos0) for every row (alibi_shift:
 // on a block without any test the kernel skips this function and sets it itself); otherwise
 // three instructions per element (blocks right of a row too: one more than the per-element path).
@@ -347,6 +345,18 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
         if (mask[min(col_shift + get<1>(coords0(r, c)), last_key) * col] == 0) scores(r, c) = -INFINITY;
     }
   }
+}
+
+// The general path's key blocks [x, y) of query tile m_block: those of its position range that
+// may share a segment with it; no key at all gives block 0, fully masked.
+template <int kBlockM, int kBlockN>
+__forceinline__ __device__ int2 general_block_range(const AttentionParams& p, int batch, int m_block) {
+  const int m0 = m_block * kBlockM;
+  const KeyRange r =
+      segment_narrowed(key_range(p, sequence_bounds(p, batch), m0, kBlockM), p.mask.q_segment_chunks, batch,
+                       int(p.T), m0, kBlockM);
+  if (r.end <= r.begin) return make_int2(0, 1);
+  return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
 }
 
 // What apply_policy's ALiBi left in the logits of row r over the whole tile, slope·(pos_r − pos0),

@@ -18,9 +18,20 @@ __forceinline__ __device__ void bar_sync_unaligned(int id, int threads) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Forward (fwd_kernel.h), per consumer warpgroup w: its ping-pong scheduler barrier, its tile
-// meeting with the producer warp and its epilogue (ids first + w).
+// Forward (fwd_mainloop.h), per consumer warpgroup w: its ping-pong scheduler barrier, its tile
+// meeting with the producer warp and its epilogue (ids first + w). Per warpgroup, so that nothing
+// but the ping-pong order ties the consumers together: a warpgroup ending a tile stores its own
+// rows of O and starts the next tile while the other still runs its last P·V.
 enum : int { kFwdBarSchedFirst = 1, kFwdBarTileFirst = 4, kFwdBarEpilogueFirst = 7 };
+// A scheduler barrier joins two warpgroups, whatever their number: the one that waits there for its
+// turn and the one before it, which arrives when it has issued its GEMMs.
+inline constexpr int kFwdSchedBarThreads = 2 * 128;
+
+// The forward's tile meeting of the producer warp and consumer warpgroup w, once per tile (and
+// once more at the end): the producer reaches it once it has issued the tile's first loads, and
+// writes the next tile's TileWork after it (tile_scheduler.h, publish_work); the consumers read
+// that after the next meeting. Unaligned: the producer lanes arrive diverged.
+__forceinline__ __device__ void fwd_tile_meeting(int w) { bar_sync_unaligned(kFwdBarTileFirst + w, 128 + 32); }
 
 // Backward (bwd_kernel.h): dS of a step complete in smem (all MMA threads); per MMA warpgroup w,
 // its dQ smem slice full (it and the dQ writer warp) and empty again (the same), and its epilogue;

@@ -1,15 +1,15 @@
-// Persistent tile scheduler of the Hopper forward: the grid is one CTA per SM; CTA c starts with
-// tile c and then takes the next unclaimed tile from a global counter (dynamic: a CTA that drew
-// short tiles takes more of them, which a static c, c + grid, ... split cannot do; on causal 16k
-// at H 128 that left the busiest SM 6 % above the average). A tile is (query block, head, batch),
-// and the order of tile indices matters twice:
+// Tile order of the Hopper kernels. The forward is persistent: the grid is one CTA per SM; CTA c
+// starts with tile c and then takes the next unclaimed tile from a global counter (dynamic: a CTA
+// that drew short tiles takes more of them, which a static c, c + grid, ... split cannot do). A
+// tile is (query block, head, batch), and the order of tile indices matters twice:
 // - causal and masked tiles run longest first (the last query blocks see the most keys), so the
 //   short ones fill the tail of the last wave instead of leaving a long tile running alone;
 // - the CTAs running at the same time should read the same K/V so that it stays in L2. Non-causal:
 //   the query blocks of one head are adjacent. Causal: longest first over all heads would spread
-//   the running tiles over every head (L2 hit rate 47 % at 16k, H 128); so heads go in sections
-//   whose K/V fits in L2 together, and only within a section do tiles run longest first
-//   (FlashAttention-3's order).
+//   the running tiles over every head; so heads go in sections whose K/V fits in L2 together, and
+//   only within a section do tiles run longest first (FlashAttention-3's order).
+// The backward launches a CTA per tile (BwdTileOrder below). docs/performance.md ("Hopper forward:
+// scheduling") has the measurements behind these choices.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,7 @@ struct TileCoord {
 
 // A tile as the consumers start it: its index (>= num_tiles: none), coordinates and key blocks
 // [n_begin, n_end). The producer works it out while the previous tile runs and hands it over
-// (fwd_kernel.h), so that the consumers' tile start waits on no integer division (three of them
+// (fwd_producer.h), so that the consumers' tile start waits on no integer division (three of them
 // in get(): about 100 instructions on the critical path of every tile) nor on the general path's
 // block range (segment summaries read from global memory).
 struct TileWork {
@@ -94,6 +94,29 @@ struct BwdTileOrder {
     return {n_block, bk % num_kv_heads, bk / num_kv_heads};
   }
 };
+
+// The smem words through which the forward's producer hands out tiles: the tile meetings (named
+// barriers, named_barriers.h) order the accesses between the producer and the consumers, __syncwarp
+// the producer lanes' read back of lane 0's write, for the hardware; the volatile accesses and
+// compiler fences do it for the compiler (CUTLASS's barrier asm declares no memory clobber).
+__forceinline__ __device__ void publish_work(TileWork& slot, const TileWork& w) {
+  asm volatile("" ::: "memory");
+  volatile int* words = reinterpret_cast<volatile int*>(&slot);
+  words[0] = w.tile;
+  words[1] = w.coord.m_block;
+  words[2] = w.coord.head;
+  words[3] = w.coord.batch;
+  words[4] = w.n_begin;
+  words[5] = w.n_end;
+  asm volatile("" ::: "memory");
+}
+__forceinline__ __device__ TileWork announced_work(const TileWork& slot) {
+  asm volatile("" ::: "memory");
+  const volatile int* words = reinterpret_cast<const volatile int*>(&slot);
+  const TileWork w{words[0], {words[1], words[2], words[3]}, words[4], words[5]};
+  asm volatile("" ::: "memory");
+  return w;
+}
 
 // Query (batch, head) pairs whose K and V fit together in `l2_bytes` (at least one).
 inline int l2_section_bh(int64_t S, int64_t H, int64_t element_bytes, int64_t group, int64_t l2_bytes) {

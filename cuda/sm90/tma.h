@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cute/tensor.hpp>
 
@@ -31,6 +32,19 @@ auto gmem_tensor(const void* ptr, GmemShape shape, GmemStride stride) {
 template <typename Element>
 auto gmem_tensor(void* ptr, GmemShape shape, GmemStride stride) {
   return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), shape, stride);
+}
+
+// The call's query-side tensors (q, o, dout: [B, T, N, H]) and key-side ones (k, v, dk, dv:
+// [B, S, K, H]) in that view.
+inline GmemShape query_shape(const AttentionParams& p) { return GmemShape{int(p.T), int(p.H), int(p.N), int(p.B)}; }
+inline GmemShape key_shape(const AttentionParams& p) { return GmemShape{int(p.S), int(p.H), int(p.K), int(p.B)}; }
+template <typename Element, typename Ptr>
+auto query_tensor(const AttentionParams& p, Ptr ptr, const Strides& s) {
+  return gmem_tensor<Element>(ptr, query_shape(p), gmem_stride(s, p.N, p.B));
+}
+template <typename Element, typename Ptr>
+auto key_tensor(const AttentionParams& p, Ptr ptr, const Strides& s) {
+  return gmem_tensor<Element>(ptr, key_shape(p), gmem_stride(s, p.K, p.B));
 }
 
 // TMA load of one (rows x dim) tile into smem of layout `SmemLayout` (its first two modes).
@@ -60,6 +74,27 @@ __host__ __device__ constexpr int store_box_offset(int w, int c) {
 template <typename Element, typename GTensor>
 auto make_tma_store_box(GTensor const& t) {
   return make_tma_copy(SM90_TMA_STORE{}, t, SmemLayoutStoreBox<Element>{}, Shape<_64, _64>{}, _1{});
+}
+
+// The descriptor types that kernel parameter structs hold.
+template <typename Element>
+using GmemTensorIn = decltype(gmem_tensor<Element>(static_cast<const void*>(nullptr), GmemShape{}, GmemStride{}));
+template <typename Element>
+using GmemTensorOut = decltype(gmem_tensor<Element>(static_cast<void*>(nullptr), GmemShape{}, GmemStride{}));
+template <typename Element, int kRows, int kDim, typename SmemLayout>
+using TmaLoad = decltype(make_tma_load<kRows, kDim, SmemLayout>(std::declval<GmemTensorIn<Element>>()));
+template <typename Element>
+using TmaStoreBox = decltype(make_tma_store_box<Element>(std::declval<GmemTensorOut<Element>>()));
+
+// The TMA copy of tile `coord` (kRows x kDim) of head `head`, batch `batch` of TMA tensor `m`
+// ((rows, dim, heads, batch), get_tma_tensor's) into smem tensor `s`, completing on `bar`. Called
+// by one thread.
+template <int kRows, int kDim, typename Tma, typename MTensor, typename STensor>
+__forceinline__ __device__ void tma_load_tile(Tma const& tma, MTensor const& m, int head, int batch, int row_block,
+                                              STensor&& s, uint64_t& bar) {
+  Tensor g = local_tile(m(_, _, head, batch), Shape<Int<kRows>, Int<kDim>>{}, make_coord(row_block, _0{}));
+  auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  copy(tma.with(bar), tg, ts);
 }
 
 // Stores this warpgroup's 64 rows (of a tile of kTileRows rows starting at global row `row0` of

@@ -1,7 +1,16 @@
-// Small device helpers of the sm90 kernel: wgmma issue, accumulator layout views, conversions.
+// Small device helpers of the sm90 kernels: wgmma issue, accumulator layout views, conversions.
 #pragma once
 
+// Without it CuTe's GMMA op selectors only pick N in {8, 16, 24, 32, 64, 96, 128, 192, 256}-like
+// divisors and split an 80-key tile into five N = 16 instructions (each re-reading its A operand).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
+#endif
+
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 
 namespace jfa::sm90 {
@@ -79,6 +88,11 @@ __forceinline__ __device__ auto acc_as_a_operand(Layout l) {
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(k)), get<1>(l),
                      coalesce(make_layout(get<0, 1>(k), get<2>(l))));
 }
+
+// This thread's consumer (MMA) warpgroup, 0, 1, ... (warpgroup 0 is the producer), as a warp-
+// uniform value: named barrier ids derived from it stay in uniform registers, where one computed
+// from threadIdx.x alone costs a loop that makes it uniform around every bar.sync.
+__forceinline__ __device__ int mma_warp_group() { return cutlass::canonical_warp_group_idx() - 1; }
 
 // dst = convert(src), element-wise, with the vectorised cvt (two floats per instruction).
 template <typename TSrc, typename TDst>

@@ -699,7 +699,7 @@ int main(int argc, char** argv) {
         cases.push_back({1, 1000, 255, 8, 1, H, causal, FP, 0});   // MQA
         cases.push_back({2, 255, 300, 4, 2, H, causal, BF, 8});    // non-packed strides
         cases.push_back({3, 1100, 1100, 16, 4, H, causal, BF, 0}); // many tiles per CTA (persistent)
-        // Both sides of launch.h's short-sequence tile choice (T <= 1536 causal, S <= 2048 not).
+        // Both sides of fwd_launch.h's short-sequence tile choice (T <= 1536 causal, S <= 2048 not).
         cases.push_back({1, 2100, 2100, 2, 1, H, causal, BF, 0});
         cases.push_back({1, 1500, 2100, 2, 1, H, causal, FP, 0});
       }
@@ -719,7 +719,7 @@ int main(int argc, char** argv) {
       cases.push_back({1, 1700, 2100, 4, 1, H, true, BF, 0, kSteepAlibi});
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll});
       cases.push_back({3, 1100, 1100, 16, 4, H, true, BF, 0, kSegments | kAlibi | kLengths});
-      // Segment ids alone past T = 1536: H 64's segment-ids kernel on its own tiles (launch.h),
+      // Segment ids alone past T = 1536: H 64's segment-ids kernel on its own tiles (fwd_launch.h),
       // packed at random boundaries and on 16-key chunks (where rows fold their segment into their
       // position bounds: mask.h, tile_rows), and scattered (tested per key).
       cases.push_back({2, 1700, 2100, 4, 2, H, true, BF, 0, kSegments | kLengths});
@@ -728,7 +728,7 @@ int main(int argc, char** argv) {
       cases.push_back({2, 1000, 1300, 4, 2, H, false, FP, 0, kChunkAlignedSegments | kAlibi | kWindow});
       cases.push_back({1, 1100, 1300, 4, 2, H, true, BF, 0, kChunkAlignedSegments | kDropout});
       cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 8, kScatteredSegments | kWindow | kBottomRight});
-      // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (launch.h).
+      // Past T = 1536 without segment ids: H 64's 192 x 112 general tiles (fwd_launch.h).
       cases.push_back({1, 1700, 2100, 4, 2, H, true, BF, 0, kWindow | kAlibi | kLengths | kSoftcap});
       cases.push_back({1, 2000, 1700, 4, 1, H, false, FP, 0, kBias | kMask | kBottomRight | kWindow});
       // Dropout (its own kernel): alone, with the positions, with everything.

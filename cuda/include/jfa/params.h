@@ -215,7 +215,7 @@ struct AttentionParams {
   int32_t* dq_semaphore = nullptr;
 
   // Forward workspace of the Hopper kernel's dynamic tile scheduler: int32 [1], zeroed by its
-  // launcher (sm90/launch.h; the order: sm90/tile_scheduler.h). Null: a static schedule.
+  // launcher (sm90/fwd_launch.h; the order: sm90/tile_scheduler.h). Null: a static schedule.
   int32_t* tile_counter = nullptr;
 
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {

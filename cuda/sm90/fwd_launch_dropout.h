@@ -4,7 +4,7 @@
 // there run.h's declaration makes it an external reference.
 #pragma once
 
-#include "launch.h"
+#include "fwd_launch.h"
 
 namespace jfa::sm90 {
 

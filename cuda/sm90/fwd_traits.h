@@ -14,29 +14,21 @@
 //   hdim 256: 128 x  80, 2 WGs, 2 stages  O alone is 128 f32 per thread, so S shrinks to 40;
 //             kBlockN = 80 (a valid wgmma N and a multiple of 16 for P·V's k) is what fits:
 //             Q 64 + K/V 2 x 2 x 40 = 224 KB, so O reuses Q's smem in the epilogue.
-// Short sequences take 128 x 128 with 2 WGs instead where that measured faster (launch.h: H 64
-// causal up to T = 1536, H 128 non-causal up to S = 2048).
+// Short sequences take 128 x 128 with 2 WGs instead where that is faster (fwd_launch.h).
 // Registers: setmaxnreg moves registers between warpgroups of a CTA; consumers can only gain what
 // the producer gives back from the launch allocation (65536 / threads, rounded down to 8: 168 for
 // 384 threads, 128 for 512). 2 consumers: producer 24, consumers 240 (128·24 + 256·240 = 168·384);
 // 3 consumers: producer 32, consumers 160 (128·32 + 384·160 = 128·512). Asking for more blocks the
-// consumers' setmaxnreg forever (a hang, not an error: seen with producer 32 / consumers 240),
-// hence the static_assert below.
+// consumers' setmaxnreg forever (a hang, not an error), hence the static_assert below.
+// docs/performance.md ("Hopper forward") has the measurements behind the tile choices.
 #pragma once
 
-// Without it CuTe's GMMA op selectors only pick N in {8, 16, 24, 32, 64, 96, 128, 192, 256}-like
-// divisors and split kBlockN = 80 into five N = 16 instructions (each re-reading Q from smem).
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#error "compile the sm90 kernels with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cuda/sm90/CMakeLists.txt)"
-#endif
-
-#include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "tile_scheduler.h"
+#include "tma.h"
+#include "utils.h"
 
 namespace jfa::sm90 {
 
@@ -73,9 +65,8 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapePV, GMMA::Major::K,
                            GMMA::Major::MN>(), AtomLayout{}));
 
-  // 128-byte swizzled K-major atom (8 rows x 64 elements): what TMA writes and wgmma reads
-  // without bank conflicts. Q, K, V and O all use it.
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  // Q, K, V and O all use the 128-byte swizzled K-major atom (tma.h).
+  using SmemAtom = SmemAtomSw128<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -84,15 +75,10 @@ struct FwdTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));
-  // O has Q's layout, so when it reuses Q's smem each warpgroup writes only its own rows.
+  // O has Q's layout, so when it reuses Q's smem each warpgroup writes only its own rows, which
+  // it stores in boxes of 64 rows x 64 columns (tma.h, tma_store_rows).
   using SmemLayoutO = SmemLayoutQ;
-  // A warpgroup stores O in boxes of 64 rows x 64 columns. SmemLayoutO tiles the atom down the
-  // rows first, so box (w, c) (rows 64w.., columns 64c..) is contiguous at this offset and laid
-  // out as a 64 x 64 tile of its own (the offset is a multiple of the swizzle's 1024-element period).
-  using SmemLayoutOBox = decltype(tile_to_shape(SmemAtom{}, Shape<_64, _64>{}));
-  static constexpr int o_box_offset(int w, int c) { return w * 64 * 64 + c * kBlockM * 64; }
-  static_assert(cosize_v<SmemLayoutOBox> == 64 * 64 && (kBlockM * 64) % 1024 == 0);
-  // ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h, kAlibiPrefix): one wgmma k block of 16 per row and key.
+  // ALiBi's k prefix of Q·Kᵀ (fwd_mainloop.h, kAlibiPrefix): one wgmma k block of 16 per row and key.
   // The rows' side comes from registers (every row of a tile holds the same values), so that block
   // is an RS wgmma; the keys' side is in smem, in the 32-byte swizzled K-major atom (8 rows x 16
   // elements).
@@ -108,10 +94,7 @@ struct FwdTraits {
   // O gets its own buffer where smem allows (the next tile's Q can then load during the epilogue).
   static constexpr bool kOAliasesQ = 2 * kQBytes + 2 * kStages * kKVStageBytes > 220 * 1024;
   // Rescale O only on blocks that raise a row's running max (softmax.h, kMaxGrowthLog2), with a
-  // warp vote and a branch around the FMULs. Measured (H200, bf16, interleaved A/B of
-  // benchmarks/ab_sm90.sh --masks,--lengths against rescaling on every block): +1-3 % on most
-  // tiles and masks, +7-12 % at H 256 (O is 128 floats per thread there); the 128 x 176 tile
-  // (H 128 non-causal past 2k) gained nothing at 4k and 16k and lost 7 % at 8k, so it keeps
+  // warp vote and a branch around the FMULs; the 128 x 176 tile gains nothing from it and keeps
   // rescaling on every block.
   static constexpr bool kRescaleOnGrowthOnly = !(kHeadDim == 128 && kBlockN == 176);
 
@@ -132,36 +115,11 @@ struct FwdConfig<Element, 128, kCausal> {
 template <typename Element, bool kCausal>
 struct FwdConfig<Element, 256, kCausal> { using Traits = FwdTraits<Element, 256, 128, 80, 2>; };
 
-// The general (masked) path's tiles (measured before the policy sets of mask.h and the per-
-// warpgroup epilogue, which moved every general figure but left the tile comparisons standing).
-// Measured on an H200 (bf16, 16k, sm90_check --masks; percent
-// of plain causal for a no-op window / window (2048, 0) / ALiBi / 4 segments of 4096 / softcap):
-//   hdim  64: 192 x 112, 3 WGs: 97 / 75 / 71 / 61 / 58. 128 x 128 with 2 WGs: 89 / 72 / 63 / 73 / 52;
-//             192 x 96: 94 / 73 / 63 / 66 / 54; 192 x 128 spills 240 bytes (ptxas) in the policy
-//             code at 160 registers per consumer, 192 x 112 40 bytes (12 since the producer hands
-//             each tile over decoded: fwd_kernel.h, TileWork). The other sets' kernels take
-//             128 x 128 with segment ids (launch.h): a 192-row tile straddles more segment
-//             boundaries, which cost those kernels a test of every element of both segments' keys.
-//   hdim 128: causal's 128 x 128: 101 / 87 / 80 / 86 / 66; 128 x 112, 96 and 144 lose 3-10 points
-//             on window, ALiBi and segment ids (4096-key segments also end on 128-key tiles).
-//   hdim 256: 128 x 64: 89 / 83 / 72 / 81 / 69, against causal's 128 x 80: 90 / 80 / 67 / 75 / 69 and
-//             128 x 48: 79 / 74 / 66 / 72 / 61 (S 32 instead of 40 f32 per thread beside O's 128).
-// kLean: the tiles of the kernels with position tests alone (mask.h, kPolicyPositions: windows,
-// lengths, causal alignment) and with segment ids besides (kPolicySegments), whose smaller policy
-// code leaves H 64 room for plain causal's 192 x 128. ptxas today: no spills for positions alone,
-// 76 bytes for segment ids (values reloaded once per block); the data and all-policies sets'
-// kernels spilled 152 / 300 bytes on it (before apply_policy read the segment ids in groups), and
-// spill 48 / 72 on 192 x 112. The ALiBi set's, 4 bytes on 192 x 112 and 44 on 192 x 128 since its
-// prefix's rows' side is in registers (fwd_kernel.h), measured within 1 % on the two (ALiBi 2.31 ms
-// on 192 x 128 against 2.33, 2 rounds, masks-15.csv), inside the rounds' spread: it keeps 192 x 112.
-// Measured (H200, bf16, causal 16k, benchmarks/ab_sm90.sh --masks, interleaved rounds):
-//   positions alone, against 192 x 112 (two machines, 3 and 2 rounds; benchmarks/results/
-//   2026-11-23-nvidia-h200-masks-13.csv): window (2048, 0) 5.3 / 5.1 % faster, a window that
-//   hides nothing 3.3 / 4.1 % (16k rows) and 4.1 / 4.8 % (4k rows);
-//   segment ids (4 x 4096 per 16k row), with rows' segments folded into their position bounds
-//   (mask.h, tile_rows), against 128 x 128 without the fold (-masks-14.csv): 3.6 % faster (2
-//   rounds); with the ids read all at once (132 bytes of spills) 3.4 % faster, and on 192 x 112
-//   (no spills) 2.7 % (3 rounds, another machine).
+// The general (masked) path's tiles: the plain causal ones, except where the policy code needs the
+// registers. H 64: 192 x 112 (192 x 128 spills in the policy code at 160 registers per consumer);
+// the kernels of the smaller policy sets (kLean: position tests alone, kPolicyPositions, and with
+// segment ids besides, kPolicySegments) fit plain causal's 192 x 128. H 256: 128 x 64 (S beside O's
+// 128 floats per thread). H 128: causal's 128 x 128 (4096-key segments end on 128-key tiles).
 template <typename Element, int kHeadDim, bool kLean = false>
 struct GeneralFwdConfig {
   using Traits = typename FwdConfig<Element, kHeadDim, true>::Traits;
@@ -182,7 +140,7 @@ struct DropoutFwdConfig {
 template <typename Element>
 struct DropoutFwdConfig<Element, 64> { using Traits = FwdTraits<Element, 64, 128, 128, 2>; };
 
-// ALiBi's k prefix operand in smem (fwd_kernel.h): none, or the keys' side, one row per key.
+// ALiBi's k prefix operand in smem (fwd_mainloop.h): none, or the keys' side, one row per key.
 template <typename Traits, bool kAlibiPrefix>
 struct AlibiPrefixStorage {};
 template <typename Traits>
@@ -193,11 +151,11 @@ struct AlibiPrefixStorage<Traits, true> {
 };
 
 // Shared memory of one CTA. Buffers read by wgmma with the 128-byte swizzle are 1024-byte aligned.
-// kAlibiPrefix adds the keys' side of ALiBi's k prefix of Q·Kᵀ (fwd_kernel.h): 4 KB at 128 keys.
+// kAlibiPrefix adds the keys' side of ALiBi's k prefix of Q·Kᵀ (fwd_mainloop.h): 4 KB at 128 keys.
 // H 256's 128 x 80 has no room even for that (231424 of the 232448 bytes without it), so its ALiBi
 // kernel runs on the general tile, 128 x 64 (GeneralFwdConfig).
 template <typename Traits, bool kAlibiPrefix = false>
-struct SharedStorage {
+struct FwdSharedStorage {
   using Element = typename Traits::Element;
   static constexpr int kOElems = Traits::kOAliasesQ ? 0 : int(cosize_v<typename Traits::SmemLayoutO>);
   alignas(1024) cute::array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>> q;

@@ -1,0 +1,109 @@
+// The Hopper backward's MMA warpgroups for wide heads (BwdTraitsSplitHead, H 256): the steps of
+// one 64-key block, the head dim of dK, dV and dQ split over the two warpgroups.
+//
+// One step, per warpgroup w (its 32 of the keys for S and dP, its 128 of the head dims for the rest):
+//   issue S = Q·Kᵀ, then dP = dO·Vᵀ; wait for S: mask, P = exp2(S·scale·log2 e − LSE·log2 e);
+//   wait for dP: dS = P∘(dP − D); store P and dS to smem; meet the other warpgroup (every key's P
+//   and dS are in smem);
+//   issue dVᵀ += dOᵀ·P, dQ = dS·K, dKᵀ += Qᵀ·dS; wait for dV and dQ (dO's stage is free);
+//   add dQ into the global accumulator (16-byte atomics); wait for dK (Q's stage is free).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "bwd_params.h"
+#include "bwd_softmax.h"
+#include "bwd_traits.h"
+#include "named_barriers.h"
+#include "utils.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+// acc's values into the global accumulator's share `slice` of this warpgroup, in the order of
+// BwdTraits::kDqSliceFloats' comment (value group g, 4 floats, of thread t at float (g·128 + t)·4).
+template <typename Acc>
+__forceinline__ __device__ void bwd_add_dq(Acc const& acc, float* slice, int wg_tid) {
+  constexpr int n = decltype(size(acc))::value;
+  static_assert(n % 4 == 0);
+  CUTE_UNROLL
+  for (int g = 0; g < n / 4; ++g)
+    atomicAdd(reinterpret_cast<float4*>(slice) + g * 128 + wg_tid,
+              make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
+}
+
+// Runs every step of the CTA's walk (at least one); dKᵀ (unscaled) and dVᵀ accumulate in the
+// given fragments.
+template <typename Traits, bool kCausal, typename AccKV>
+__forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
+                                                        typename Traits::Pipeline& pipeline_q,
+                                                        typename Traits::Pipeline& pipeline_do,
+                                                        const BwdWalk& walk, AccKV& tdKrdK, AccKV& tdVrdV) {
+  using Element = typename Traits::Element;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int tid = threadIdx.x - 128;
+  const int w = mma_warp_group(), wg_tid = tid % 128;
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{}));
+  Tensor tSrK = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{}));
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{}));
+  Tensor tdPrV = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{}));
+  // dKᵀ and dVᵀ: A = Qᵀ, dOᵀ (H, queries); B = dS, P as (keys, queries).
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_A(make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdOt{}));
+  Tensor tdKrQt = thr_dkv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{}));
+  Tensor tdVrPt = thr_dkv.partition_fragment_B(make_tensor(make_smem_ptr(ss.step.p.data()), typename Traits::SmemLayoutPdSt{}));
+  Tensor tdKrdSt = thr_dkv.partition_fragment_B(make_tensor(make_smem_ptr(ss.step.ds.data()), typename Traits::SmemLayoutPdSt{}));
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ss.step.ds.data()), typename Traits::SmemLayoutPdS{}));
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{}));
+
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto thr_copy_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPsP = thr_copy_pds.partition_D(make_tensor(make_smem_ptr(ss.step.p.data()), typename Traits::SmemLayoutPdS{}));
+  Tensor tdSsdS = thr_copy_pds.partition_D(make_tensor(make_smem_ptr(ss.step.ds.data()), typename Traits::SmemLayoutPdS{}));
+
+  // This thread's (query, key) coordinates in the S accumulator.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  const int key0 = walk.n_block * kBlockN;
+  const int S = int(p.attn.S);
+
+  bwd_for_each_step<Traits>(ss, walk, p.group, [&](int s, const BwdStep& st, const PipelineState& read)
+                                                    CUTLASS_LAMBDA_FUNC_INLINE {
+    const int stage = read.index();
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // dS after this
+    bwd_step_scores<kCausal, /*kQueriesInColumns=*/false>(
+        mma_sdp, pipeline_q, pipeline_do, read, tSrQ(_, _, _, stage), tSrK, tdPrdO(_, _, _, stage), tdPrV, tSrS,
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn.scale_log2,
+        bwd_block_needs_mask<Traits, kCausal>(key0, st.m_block, S), key0, st.m_block * kBlockM, S);
+
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+    convert(tSrS, rP);
+    convert(tdPrdP, rdS);
+    copy(copy_pds, thr_copy_pds.retile_S(rP), tPsP(_, _, _, stage));
+    copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage));
+    cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma (the async proxy)
+    bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
+    gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, stage), tdVrdV);
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ);
+    gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, stage), tdKrdK);
+    pipeline_do.consumer_release(read);  // dP and dV have read dO
+    float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * kHeadDim;
+    bwd_add_dq(tdQrdQ, dq + w * Traits::kDqSliceFloats, wg_tid);
+    warpgroup_wait<0>();
+    pipeline_q.consumer_release(read);
+  });
+}
+
+}  // namespace jfa::sm90

@@ -1,0 +1,77 @@
+// What the Hopper forward's kernel reads: the TMA descriptors of Q, K, V (loads) and O (stores),
+// built on the host per call, the LSE's place, and the call itself; and the tile a CTA works on.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fwd_traits.h"
+#include "jfa/params.h"
+#include "mask.h"
+#include "tile_scheduler.h"
+#include "tma.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+struct FwdParams {
+  using Element = typename Traits::Element;
+  TmaLoad<Element, Traits::kBlockM, Traits::kHeadDim, typename Traits::SmemLayoutQ> tma_q;
+  TmaLoad<Element, Traits::kBlockN, Traits::kHeadDim, typename Traits::SmemLayoutK> tma_k, tma_v;
+  TmaStoreBox<Element> tma_o;
+  GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); O has Q's shape
+  float* lse;
+  int64_t lse_batch, lse_row, lse_head;
+  float scale_log2;
+  int T, S, group;  // group = N / K query heads per K/V head
+  int num_tiles;
+  AttentionParams attn;  // the whole call: the general path reads its masks and modifiers here
+};
+
+template <typename Traits>
+FwdParams<Traits> make_fwd_params(const AttentionParams& p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using LayoutK = typename Traits::SmemLayoutK;
+  const int num_m_blocks = int((p.T + kBlockM - 1) / kBlockM);
+  return FwdParams<Traits>{
+      make_tma_load<kBlockM, kHeadDim, typename Traits::SmemLayoutQ>(query_tensor<Element>(p, p.q, p.q_strides)),
+      make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.k, p.k_strides)),
+      make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.v, p.v_strides)),
+      make_tma_store_box<Element>(query_tensor<Element>(p, p.o, p.o_strides)),
+      query_shape(p),
+      key_shape(p),
+      p.lse,
+      p.lse_strides.batch,
+      p.lse_strides.row,
+      p.lse_strides.head,
+      p.scale_log2,
+      int(p.T),
+      int(p.S),
+      int(p.N / p.K),
+      int(num_m_blocks * p.N * p.B),
+      p};
+}
+
+// Tile `tile` with its coordinates and the key blocks [n_begin, n_end) it visits (walked from
+// n_end - 1 down to n_begin): every block of S (causal: up to the diagonal), or on the general path
+// those of its position range that may share a segment with it (mask.h, general_block_range).
+template <typename Traits, bool kCausal, int kPolicies, typename Scheduler>
+__forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, const Scheduler& sched, int tile) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  TileWork w{tile, {0, 0, 0}, 0, 1};
+  if (tile >= p.num_tiles) return w;
+  w.coord = sched.get(tile);
+  if constexpr (kPolicies != 0) {
+    const int2 r = general_block_range<kBlockM, kBlockN>(p.attn, w.coord.batch, w.coord.m_block);
+    w.n_begin = r.x;
+    w.n_end = r.y;
+  } else {
+    w.n_end = (p.S + kBlockN - 1) / kBlockN;
+    if constexpr (kCausal) w.n_end = min(w.n_end, (w.coord.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
+  }
+  return w;
+}
+
+}  // namespace jfa::sm90
