@@ -2,8 +2,8 @@
 error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
 
 Everything runs through the default dispatch: on an sm90 GPU the Hopper forward for head dims
-64/128/256 and the Hopper backward for plain and causal calls at head dims 64/128 (the rest on the
-portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
+64/128/256 and the Hopper backward for plain and causal calls at the same head dims (the rest on
+the portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
 at each dispatch), so both paths are covered.
 
 Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
@@ -170,7 +170,7 @@ def test_gradients_match_reference(shape, is_causal, dtype):
 @pytest.mark.parametrize("shape", PORTABLE_SHAPES + [(1, 1000, 255, 4, 1, 64, 64)], ids=_ids)
 def test_gradients_portable_backward_forced(shape, is_causal, monkeypatch):
     """JFA_FORCE_SM80=1 runs the portable backward; its gradients and the default's (the Hopper
-    backward on sm90 at head dims 64 and 128) both match the reference, and each other."""
+    backward on sm90 at head dims 64, 128 and 256) both match the reference, and each other."""
     seed = fresh_seed()
     dtype = jnp.bfloat16
     B, T, S, N, K, H, Hv = shape
