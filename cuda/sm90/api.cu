@@ -111,7 +111,7 @@ bool can_implement(const AttentionParams& p) {
 }
 
 bool can_implement_backward(const AttentionParams& p) {
-  if (!has_backward(int(p.H)) || p.mask.active() || p.deterministic) return false;
+  if (!has_backward(int(p.H)) || (p.deterministic && p.dq_semaphore == nullptr)) return false;
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
                        {p.dout, p.do_strides, p.N}, {p.dk, p.dk_strides, p.K}, {p.dv, p.dv_strides, p.K}});
 }

@@ -25,9 +25,9 @@ bool can_implement(const AttentionParams& p);
 // Writes p.o and p.lse (float32, natural log). cudaErrorNotSupported where !can_implement(p).
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
 
-// Whether backward() takes this call: a built variant (head dims 64, 128, 256), plain or top-left
-// causal attention without any mask feature, score modifier or dropout (p.mask.active() false), not
-// deterministic, and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
+// Whether backward() takes this call: a built variant (head dims 64, 128, 256), any mask, score
+// modifier and dropout (the general path, bwd_general.h), deterministic=True with p.dq_semaphore
+// (bwd_dq_order.h), and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
 bool can_implement_backward(const AttentionParams& p);
 
 // Writes p.dq, p.dk, p.dv. Workspace: p.dq_accum (one lane), p.softmax_d and p.lse_log2 (params.h);

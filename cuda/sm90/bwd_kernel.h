@@ -28,9 +28,17 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
-template <typename Traits, bool kCausal>
+// The key blocks' order: longest first (in L2 sections) for top-left causal calls and on the
+// general path, whose masks (causal with either alignment, windows, lengths) make lengths differ.
+template <bool kCausal, int kPolicies>
+using BwdOrderOf = BwdTileOrder<kCausal || kPolicies != 0>;
+
+// kPolicies: 0, the plain and top-left causal (kCausal) path; otherwise the general path
+// (bwd_general.h: every mask and score modifier, dropout too with kPolicyDropout; kCausal false).
+template <typename Traits, bool kCausal, int kPolicies>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    bwd_kernel(CUTE_GRID_CONSTANT BwdParams<Traits> const p, BwdTileOrder<kCausal> const order) {
+    bwd_kernel(CUTE_GRID_CONSTANT BwdParams<Traits> const p, BwdOrderOf<kCausal, kPolicies> const order) {
+  static_assert(!(kCausal && kPolicies != 0), "the general path takes causality from the call");
   using Pipeline = typename Traits::Pipeline;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<BwdSharedStorage<Traits>*>(smem_raw);
@@ -47,13 +55,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  const BwdWalk walk = bwd_walk<Traits, kCausal>(p, order);
+  const BwdWalk walk = bwd_walk<Traits, kCausal, kPolicies>(p, order);
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) bwd_load(p, ss, pipeline_q, pipeline_do, walk);
     if constexpr (!Traits::kSplitHead)  // (the split-head layout adds dQ from the MMA threads)
-      if (warp == 1) bwd_store_dq(p, ss, walk);
+      if (warp == 1) bwd_store_dq<Traits, kPolicies>(p, ss, walk);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
@@ -67,9 +75,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   clear(tdVrdV);
   if (walk.num_steps > 0) {
     if constexpr (Traits::kSplitHead)
-      bwd_mainloop_split_head<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+      bwd_mainloop_split_head<Traits, kCausal, kPolicies>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
     else
-      bwd_mainloop<Traits, kCausal>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
+      bwd_mainloop<Traits, kCausal, kPolicies>(p, ss, pipeline_q, pipeline_do, walk, tdKrdK, tdVrdV);
   }
   bwd_epilogue<Traits>(p, ss, walk, tdKrdK, tdVrdV);
 }

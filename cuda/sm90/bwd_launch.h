@@ -1,6 +1,8 @@
 // Host side of the Hopper backward: three launches on the call's stream (no allocation, no
 // synchronization: CUDA-graph safe). Each instantiation file (cuda/generate_instantiations.py)
-// instantiates run_bwd for one (dtype, head dim).
+// instantiates run_bwd for one (dtype, head dim), and the general path's run_bwd_general (every
+// mask and score modifier) and run_bwd_dropout (the same with dropout) in files of their own, so
+// that the three compile in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,14 +21,28 @@ namespace jfa::sm90 {
 
 namespace detail {
 
-template <typename Traits, bool kCausal>
+template <typename Traits, bool kCausal, int kPolicies>
 cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
-  // The dQ partial sums are added into the accumulator: start from zero (padding rows too).
+  // The dQ partial sums are added into the accumulator: start from zero (padding rows too); so are
+  // d(bias) (atomics), d(slopes) (each slot's thread subtracts step after step) and the dQ turns.
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
+  if (p.mask.dbias != nullptr) {
+    const int64_t* d = p.mask.dbias_dims;
+    err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.deterministic) {  // the dQ turns (bwd_dq_order.h): lane 0 of the portable kernels' layout
+    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(p.B * p.N * p.dq_semaphores_per_head()) * sizeof(int32_t), stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.mask.dslopes != nullptr) {
+    err = cudaMemsetAsync(p.mask.dslopes, 0, size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
   bwd_row_stats_kernel<Element, kHeadDim>
       <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -46,8 +62,8 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   const int section = pair_bytes > kL2Budget
                           ? num_bk
                           : std::max(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), p.N / p.K, kL2Budget), one_wave);
-  const BwdTileOrder<kCausal> order{kp.num_n_blocks, int(p.K), num_bk, std::min(section, num_bk)};
-  auto kernel = &bwd_kernel<Traits, kCausal>;
+  const BwdOrderOf<kCausal, kPolicies> order{kp.num_n_blocks, int(p.K), num_bk, std::min(section, num_bk)};
+  auto kernel = &bwd_kernel<Traits, kCausal, kPolicies>;
   constexpr int smem = int(sizeof(BwdSharedStorage<Traits>));
   static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
@@ -65,7 +81,9 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
-  return p.is_causal ? detail::launch_bwd<Traits, true>(p, stream) : detail::launch_bwd<Traits, false>(p, stream);
+  if (p.mask.has_dropout()) return run_bwd_dropout<Element, kHeadDim>(p, stream);
+  if (p.mask.active()) return run_bwd_general<Element, kHeadDim>(p, stream);
+  return p.is_causal ? detail::launch_bwd<Traits, true, 0>(p, stream) : detail::launch_bwd<Traits, false, 0>(p, stream);
 }
 
 }  // namespace jfa::sm90

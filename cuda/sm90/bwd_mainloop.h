@@ -15,8 +15,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "bwd_general.h"
 #include "bwd_params.h"
-#include "bwd_softmax.h"
 #include "bwd_traits.h"
 #include "named_barriers.h"
 #include "utils.h"
@@ -42,8 +42,8 @@ __forceinline__ __device__ void bwd_stage_dq(Acc const& acc, float* slice, int w
 }
 
 // Runs every step of the CTA's walk (at least one); dK (unscaled) and dV accumulate in the given
-// fragments.
-template <typename Traits, bool kCausal, typename AccKV>
+// fragments. kPolicies: the plain path (0) or the general one (bwd_general.h).
+template <typename Traits, bool kCausal, int kPolicies, typename AccKV>
 __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
                                              typename Traits::Pipeline& pipeline_q,
                                              typename Traits::Pipeline& pipeline_do, const BwdWalk& walk,
@@ -87,19 +87,24 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
 
-  const int key0 = walk.n_block * kBlockN;
-  const int S = int(p.attn.S);
-  auto needs_mask = [&](int m_block) { return bwd_block_needs_mask<Traits, kCausal>(key0, m_block, S); };
+  const BwdGeneralBlock block = bwd_block<kPolicies, kBlockN>(p.attn, walk.batch, walk.n_block);
+  // Dropout: the keep bits of the step at hand, made during the last GEMM of the step before.
+  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
+  auto keep_bits_of = [&](int s) {
+    const BwdStep st = walk.step(s, p.group);
+    return bwd_keep_bits</*kQueriesInColumns=*/true>(block, st.head, st.m_block, kBlockM, cS_rc);
+  };
+  decltype(keep_bits_of(0)) keep{};
+  if constexpr (kDropout) keep = keep_bits_of(0);
 
   bwd_for_each_step<Traits>(ss, walk, p.group, [&](int s, const BwdStep& st, const PipelineState& read)
                                                     CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // Pᵀ after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // dSᵀ after this
-    bwd_step_scores<kCausal, /*kQueriesInColumns=*/true>(
+    bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/true>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn.scale_log2, needs_mask(st.m_block), key0,
-        st.m_block * kBlockM, S);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[s & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -111,12 +116,16 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
     cutlass::arch::fence_view_async_shared();  // dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
+    if (kPolicies != 0 && p.attn.mask.dslopes != nullptr)  // each warpgroup's keys are one slot
+      bwd_add_slope_dot<4>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0 + w * 64);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);  // dV has finished
     pipeline_do.consumer_release(read);
     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(tdPrdP.layout()));
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished
     bwd_stage_dq(tdQrdQ, ss.step.dq[w], w, wg_tid, s == 0);
+    if constexpr (kDropout)
+      if (s + 1 < walk.num_steps) keep = keep_bits_of(s + 1);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

@@ -6,14 +6,16 @@
 //   wait for dP: dS = P∘(dP − D); store P and dS to smem; meet the other warpgroup (every key's P
 //   and dS are in smem);
 //   issue dVᵀ += dOᵀ·P, dQ = dS·K, dKᵀ += Qᵀ·dS; wait for dV and dQ (dO's stage is free);
-//   add dQ into the global accumulator (16-byte atomics); wait for dK (Q's stage is free).
+//   add dQ into the global accumulator (16-byte atomics; deterministic=True: in key-block order,
+//   bwd_dq_order.h); wait for dK (Q's stage is free).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "bwd_dq_order.h"
+#include "bwd_general.h"
 #include "bwd_params.h"
-#include "bwd_softmax.h"
 #include "bwd_traits.h"
 #include "named_barriers.h"
 #include "utils.h"
@@ -35,8 +37,8 @@ __forceinline__ __device__ void bwd_add_dq(Acc const& acc, float* slice, int wg_
 }
 
 // Runs every step of the CTA's walk (at least one); dKᵀ (unscaled) and dVᵀ accumulate in the
-// given fragments.
-template <typename Traits, bool kCausal, typename AccKV>
+// given fragments. kPolicies: the plain path (0) or the general one (bwd_general.h).
+template <typename Traits, bool kCausal, int kPolicies, typename AccKV>
 __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
                                                         typename Traits::Pipeline& pipeline_q,
                                                         typename Traits::Pipeline& pipeline_do,
@@ -73,18 +75,24 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
   // This thread's (query, key) coordinates in the S accumulator.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-  const int key0 = walk.n_block * kBlockN;
-  const int S = int(p.attn.S);
+  const BwdGeneralBlock block = bwd_block<kPolicies, kBlockN>(p.attn, walk.batch, walk.n_block);
+  // Dropout: the keep bits of the step at hand, made during the last GEMM of the step before.
+  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
+  auto keep_bits_of = [&](int s) {
+    const BwdStep st = walk.step(s, p.group);
+    return bwd_keep_bits</*kQueriesInColumns=*/false>(block, st.head, st.m_block, kBlockM, cS_rc);
+  };
+  decltype(keep_bits_of(0)) keep{};
+  if constexpr (kDropout) keep = keep_bits_of(0);
 
   bwd_for_each_step<Traits>(ss, walk, p.group, [&](int s, const BwdStep& st, const PipelineState& read)
                                                     CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // dS after this
-    bwd_step_scores<kCausal, /*kQueriesInColumns=*/false>(
+    bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/false>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrQ(_, _, _, stage), tSrK, tdPrdO(_, _, _, stage), tdPrV, tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn.scale_log2,
-        bwd_block_needs_mask<Traits, kCausal>(key0, st.m_block, S), key0, st.m_block * kBlockM, S);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[s & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -94,13 +102,32 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage));
     cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
+    if (kPolicies != 0 && p.attn.mask.dslopes != nullptr)  // the block's 64 keys are one slot
+      bwd_add_slope_dot<8>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, stage), tdVrdV);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ);
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, stage), tdKrdK);
     pipeline_do.consumer_release(read);  // dP and dV have read dO
     float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * kHeadDim;
+    // deterministic=True: this key block's turn at the query block first (bwd_dq_order.h).
+    int32_t* semaphore = nullptr;
+    if (p.attn.deterministic) {
+      semaphore = bwd_dq_semaphore<kBlockM>(p.attn, walk.batch, st.head, st.m_block);
+      if (tid < 32) {
+        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.n_block, st.m_block);
+        if (tid == 0) bwd_dq_wait_turn(semaphore, turn);
+      }
+      bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);
+    }
     bwd_add_dq(tdQrdQ, dq + w * Traits::kDqSliceFloats, wg_tid);
+    if (p.attn.deterministic) {
+      __threadfence();
+      bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);
+      if (tid == 0) bwd_dq_end_turn(semaphore);
+    }
+    if constexpr (kDropout)
+      if (s + 1 < walk.num_steps) keep = keep_bits_of(s + 1);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

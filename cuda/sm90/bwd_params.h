@@ -4,6 +4,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "bwd_general.h"
 #include "bwd_traits.h"
 #include "jfa/params.h"
 #include "tile_scheduler.h"
@@ -52,7 +53,12 @@ __forceinline__ __device__ int2 bwd_m_block_range(const BwdParams<Traits>& p, in
   return make_int2(begin, p.num_m_blocks);
 }
 
-// Step s of a CTA's walk: query head (of the group) s / steps_per_head, query block begin + the rest.
+// Step s of a CTA's walk: query head (of the group) s / steps_per_head, query block begin + the
+// rest. deterministic=True (`ordered`) walks the other way: down from the last query block, the
+// group's query heads innermost, so that the CTAs of every key block reach a query block at the same
+// step and each waits for its turn there (bwd_dq_order.h) only as long as the lower key blocks'
+// adds take; walking up from the diagonal, a causal key block's first block would be the lower
+// key blocks' last.
 struct BwdStep {
   int head;  // the query head
   int m_block;
@@ -61,19 +67,30 @@ struct BwdStep {
 struct BwdWalk {
   int kv_head, batch, n_block;
   int m_begin, steps_per_head, num_steps;
+  bool ordered;
 
   __forceinline__ __device__ BwdStep step(int s, int group) const {
+    if (ordered) {
+      const int back = s / group;
+      return {kv_head * group + (s - back * group), m_begin + steps_per_head - 1 - back};
+    }
     const int g = s / steps_per_head;
     return {kv_head * group + g, m_begin + (s - g * steps_per_head)};
   }
 };
 
-template <typename Traits, bool kCausal>
-__forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const BwdTileOrder<kCausal>& order) {
+// The CTA's walk; the general path (kPolicies != 0) takes its query blocks from the call's masks
+// (bwd_general.h), and a key block that no query sees gets an empty walk.
+template <typename Traits, bool kCausal, int kPolicies, typename Order>
+__forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Order& order) {
   const TileCoord t = order.get(int(blockIdx.x));
-  const int2 range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
+  int2 range;
+  if constexpr (kPolicies != 0)
+    range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN>(p.attn, t.batch, t.m_block);
+  else
+    range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;
-  return BwdWalk{t.head, t.batch, t.m_block, range.x, per_head, per_head * p.group};
+  return BwdWalk{t.head, t.batch, t.m_block, range.x, per_head, per_head * p.group, p.attn.deterministic};
 }
 
 // Waits for the CTA's K and V, then runs step(s, the step, the Q/dO ring's read state) for every

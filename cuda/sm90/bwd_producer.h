@@ -4,6 +4,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "bwd_dq_order.h"
 #include "bwd_params.h"
 #include "bwd_traits.h"
 #include "named_barriers.h"
@@ -71,8 +72,9 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
 // global accumulator with one bulk reduction, performed in L2. Handshake per warpgroup w: it fills
 // its slice and arrives at dQ-full; this warp waits there, issues the add, and once the add has
 // read the slice arrives at dQ-empty, where w waits before its next fill (not after the last step:
-// every arrival has its wait).
-template <typename Traits>
+// every arrival has its wait). deterministic=True: the adds of a query block in key-block order
+// (bwd_dq_order.h), each complete before the next key block's.
+template <typename Traits, int kPolicies>
 __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
                                              const BwdWalk& walk) {
   static_assert(Traits::kNumMmaWarpGroups == 2);
@@ -82,6 +84,14 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   for (int s = 0; s < walk.num_steps; ++s) {
     const BwdStep st = walk.step(s, p.group);
     float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * Traits::kHeadDim;
+    int32_t* semaphore = nullptr;
+    if (p.attn.deterministic) {
+      const int turn =
+          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.n_block, st.m_block);
+      semaphore = bwd_dq_semaphore<Traits::kBlockM>(p.attn, walk.batch, st.head, st.m_block);
+      if (leader) bwd_dq_wait_turn(semaphore, turn);
+      __syncwarp();
+    }
     CUTE_UNROLL
     for (int w = 0; w < 2; ++w) {
       bar_sync(kBwdBarDqFullFirst + w, kHandshake);
@@ -89,6 +99,13 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
         bulk_reduce_add(dq + w * Traits::kDqSliceFloats, ss.step.dq[w], Traits::kDqSliceBytes);
         bulk_commit();
       }
+    }
+    if (p.attn.deterministic) {
+      if (leader) {
+        bulk_wait_all();  // the adds are complete, not only read
+        bwd_dq_end_turn(semaphore);
+      }
+      __syncwarp();
     }
     if (s + 1 < walk.num_steps) {
       if (leader) bulk_wait_read<1>();

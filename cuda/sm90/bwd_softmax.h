@@ -84,24 +84,23 @@ __forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, Co
 }
 
 // The start of a step: issues S (or Sᵀ) = a_s·b_s and dP (or dPᵀ) = a_dp·b_dp as each operand's
-// stage lands, then turns them into P and dS in place. `masked` as for bwd_probabilities.
-template <bool kCausal, bool kQueriesInColumns, typename Mma, typename Pipeline, typename State, typename AS, typename BS,
-          typename ADP, typename BDP, typename Acc, typename Coords>
+// stage lands; once S has landed calls on_scores(S), once dP has too on_grads(S, dP), both as
+// (rows, cols) views, which turn them into P and dS in place.
+template <typename Mma, typename Pipeline, typename State, typename AS, typename BS, typename ADP, typename BDP,
+          typename Acc, typename OnScores, typename OnGrads>
 __forceinline__ __device__ void bwd_step_scores(Mma& mma, Pipeline& pipeline_q, Pipeline& pipeline_do, State const& read,
                                                 AS const& a_s, BS const& b_s, ADP const& a_dp, BDP const& b_dp,
-                                                Acc& tSrS, Acc& tdPrdP, Coords const& coords, const float* lse_log2,
-                                                const float* d, float scale_log2, bool masked, int key0, int query0,
-                                                int S) {
+                                                Acc& tSrS, Acc& tdPrdP, OnScores&& on_scores, OnGrads&& on_grads) {
   pipeline_q.consumer_wait(read);
   gemm</*zero_init=*/true, /*wait=*/-1>(mma, a_s, b_s, tSrS);
   pipeline_do.consumer_wait(read);
   gemm</*zero_init=*/true, /*wait=*/-1>(mma, a_dp, b_dp, tdPrdP);
   warpgroup_wait<1>();
   Tensor scores = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-  bwd_probabilities<kCausal, kQueriesInColumns>(scores, coords, lse_log2, scale_log2, masked, key0, query0, S);
+  on_scores(scores);
   warpgroup_wait<0>();
   Tensor grads = make_tensor(tdPrdP.data(), scores.layout());
-  bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d);
+  on_grads(scores, grads);
 }
 
 }  // namespace jfa::sm90

@@ -197,6 +197,7 @@ struct BwdSharedStorage {
   // Per stage: LSE·log2 e and D of the step's query rows (with Q and with dO).
   alignas(128) float lse_log2[Traits::kStages][Traits::kBlockM];
   alignas(128) float d[Traits::kStages][Traits::kBlockM];
+  float slope_sums[2][Traits::kNumMmaThreads / 32];  // d(ALiBi slopes): per step parity and MMA warp (bwd_general.h)
   typename Traits::Pipeline::SharedStorage pipeline_q;
   typename Traits::Pipeline::SharedStorage pipeline_do;
   cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V of the CTA's key block have landed

@@ -35,10 +35,11 @@ __forceinline__ __device__ void fwd_tile_meeting(int w) { bar_sync_unaligned(kFw
 
 // Backward (bwd_kernel.h): dS of a step complete in smem (all MMA threads); per MMA warpgroup w,
 // its dQ smem slice full (it and the dQ writer warp) and empty again (the same), and its epilogue;
-// and the MMA threads' meeting before the epilogue reuses the Q and dO buffers.
+// and the MMA threads' meeting before the epilogue reuses the Q and dO buffers; with
+// deterministic=True in the split-head layout, their meetings around a step's ordered dQ adds.
 enum : int {
   kBwdBarDsReady = 1, kBwdBarDqFullFirst = 2, kBwdBarDqEmptyFirst = 4, kBwdBarEpilogueFirst = 6,
-  kBwdBarMainloopDone = 8
+  kBwdBarMainloopDone = 8, kBwdBarDqTurn = 9
 };
 
 }  // namespace jfa::sm90

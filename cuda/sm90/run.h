@@ -17,9 +17,14 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_dropout(const AttentionParams& p, cudaStream_t stream);
 
-// The backward (bwd_launch.h): plain and top-left causal calls (api.h, can_implement_backward).
+// The backward (bwd_launch.h); it calls the general path's launchers (bwd_launch_general.h,
+// instantiated in files of their own) for calls with masks, score modifiers or dropout.
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_general(const AttentionParams& p, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_dropout(const AttentionParams& p, cudaStream_t stream);
 
 // Streaming multiprocessors of the current device (queried once per device).
 int num_sms();

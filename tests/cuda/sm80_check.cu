@@ -488,8 +488,30 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMemcpy(h_dk.data(), d_dk, k.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(h_dv.data(), d_dv, v.size() * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(h_lse.data(), d_lse, rows * 4, cudaMemcpyDeviceToHost));
+  // d(bias) (the bias's shape) and d(slopes) (summed over each head's slots) as the last backward
+  // left them: the portable backward's now, the Hopper backward's after it ran.
+  auto read_dbias = [&]() {
+    std::vector<double> out;
+    if (d_dbias == nullptr) return out;
+    std::vector<float> h(fd.bias.size());
+    CK(cudaMemcpy(h.data(), d_dbias, h.size() * 4, cudaMemcpyDeviceToHost));
+    out.assign(h.begin(), h.end());
+    return out;
+  };
+  auto read_dslopes = [&]() {
+    std::vector<double> out;
+    if (d_dslopes == nullptr) return out;
+    std::vector<float> h(size_t(c.B) * c.N * dslope_slots);
+    CK(cudaMemcpy(h.data(), d_dslopes, h.size() * 4, cudaMemcpyDeviceToHost));
+    out.assign(size_t(c.B) * c.N, 0.0);
+    for (size_t i = 0; i < h.size(); ++i) out[i / dslope_slots] += h[i];
+    return out;
+  };
+  const std::vector<double> dbias = read_dbias(), dslopes = read_dslopes();
   // The Hopper backward on the same inputs, its outputs poisoned again.
   bool hopper = false;
+  std::vector<double> dbias90, dslopes90;
+  bool reproducible90 = true;
   std::vector<uint16_t> h_dq90(o_elems), h_dk90(k.size()), h_dv90(v.size());
 #ifdef JFA_CHECK_SM90
   if (hopper_device() && jfa::sm90::can_implement_backward(p)) {
@@ -497,6 +519,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemset(d_dq, 0xFF, o_elems * 2)); CK(cudaMemset(d_dk, 0xFF, k.size() * 2));
     CK(cudaMemset(d_dv, 0xFF, v.size() * 2)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
     CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
+    if (d_dbias != nullptr) CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: it must zero them
+    if (d_dslopes != nullptr) CK(cudaMemset(d_dslopes, 0xFF, size_t(c.B) * c.N * dslope_slots * 4));
     p.lse_log2 = d_D + stat_rows;
     CK(jfa::sm90::backward(p, stream));
     CK(cudaStreamSynchronize(stream));
@@ -504,6 +528,17 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemcpy(h_dq90.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h_dk90.data(), d_dk, k.size() * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h_dv90.data(), d_dv, v.size() * 2, cudaMemcpyDeviceToHost));
+    dbias90 = read_dbias();
+    dslopes90 = read_dslopes();
+    if (c.f.deterministic) {  // the Hopper backward's ordered dQ adds: the same bits again
+      p.lse_log2 = d_D + stat_rows;
+      CK(jfa::sm90::backward(p, stream));
+      CK(cudaStreamSynchronize(stream));
+      p.lse_log2 = nullptr;
+      std::vector<uint16_t> again(o_elems);
+      CK(cudaMemcpy(again.data(), d_dq, o_elems * 2, cudaMemcpyDeviceToHost));
+      reproducible90 = std::memcmp(again.data(), h_dq90.data(), o_elems * 2) == 0;
+    }
   }
 #endif
 
@@ -526,19 +561,6 @@ static void run_case(const Config& c, std::mt19937& rng) {
     if (a && b) lse[i] = ref.lse[i] = 0;
     else if (a || b) lse[i] = NAN;
   }
-  std::vector<double> dbias;
-  if (d_dbias != nullptr) {
-    std::vector<float> h(fd.bias.size());
-    CK(cudaMemcpy(h.data(), d_dbias, h.size() * 4, cudaMemcpyDeviceToHost));
-    dbias.assign(h.begin(), h.end());
-  }
-  std::vector<double> dslopes;
-  if (d_dslopes != nullptr) {
-    std::vector<float> h(size_t(c.B) * c.N * dslope_slots);
-    CK(cudaMemcpy(h.data(), d_dslopes, h.size() * 4, cudaMemcpyDeviceToHost));
-    dslopes.assign(size_t(c.B) * c.N, 0.0);
-    for (size_t i = 0; i < h.size(); ++i) dslopes[i / dslope_slots] += h[i];
-  }
   const double tol = c.dt == DType::kBFloat16 ? 2e-2 : 3e-3;
   double ma[5];
   bool fin[5];
@@ -551,39 +573,48 @@ static void run_case(const Config& c, std::mt19937& rng) {
   const double abs_tol = 4 * tol;
   bool ok = true;
   for (int i = 0; i < (g_hopper_only ? 2 : 5); ++i) ok = ok && fin[i] && (e[i] <= tols[i] || ma[i] <= abs_tol);
-  double e_db = 0, ma_db = 0;
-  bool fin_db = true;
-  if (!dbias.empty()) {
-    e_db = rel_err(dbias, ref.dbias, &ma_db, &fin_db);
-    ok = ok && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
-  }
-  double e_ds = 0, ma_ds = 0, e_ds_terms = 0;  // e_ds_terms: the error over its terms' magnitudes
-  bool fin_ds = true;
-  if (!dslopes.empty()) {
-    e_ds = rel_err(dslopes, ref.dslopes, &ma_ds, &fin_ds);
-    // d(slope) = -sum dS·|pos - j| over a head: its terms cancel to about 1e-3 of the sum of their
-    // magnitudes (every feature at T = 1000: -56.6 against a sum of 69080), so small errors of dS
-    // read large in the relative test: with soft-capping, the kernels' tanhf (tanh.approx under
-    // --use_fast_math, relative error up to 2^-11) moves every logit by up to softcap · 5e-4,
-    // the same way for equal inputs (the likeliest cause: ALiBi cases without softcap never
-    // failed), and the error came to 4.8e-4 of the magnitudes (24 % relative;
-    // 1 sweep in 6 failed on it, and 2 of 32 repeats of that case). Such a value passes within
-    // 1e-3 of its terms' magnitudes with soft-capping, 2e-4 without, besides the relative test.
-    const double terms_tol = c.f.softcap > 0.f ? 1e-3 : 2e-4;
-    bool within_terms = true;
-    for (size_t i = 0; i < dslopes.size(); ++i) {
-      const double err = std::fabs(dslopes[i] - ref.dslopes[i]);
-      within_terms = within_terms && err <= 4 * tol * std::fabs(ref.dslopes[i]) + terms_tol * ref.dslopes_l1[i];
-      e_ds_terms = std::max(e_ds_terms, err / std::max(ref.dslopes_l1[i], 1e-30));
+  // d(bias) and d(slopes) of one backward against the reference; their errors into e_db, e_ds and
+  // e_ds_terms (the error over its terms' magnitudes).
+  auto extras_ok = [&](const std::vector<double>& db, const std::vector<double>& dsl, double& e_db, double& e_ds,
+                       double& e_ds_terms) {
+    bool good = true;
+    double ma_db = 0, ma_ds = 0;
+    bool fin_db = true, fin_ds = true;
+    e_db = e_ds = e_ds_terms = 0;
+    if (!db.empty()) {
+      e_db = rel_err(db, ref.dbias, &ma_db, &fin_db);
+      good = good && fin_db && (e_db <= 4 * tol || ma_db <= abs_tol);
     }
-    ok = ok && fin_ds && (e_ds <= 4 * tol || ma_ds <= abs_tol || within_terms);
-  }
+    if (!dsl.empty()) {
+      e_ds = rel_err(dsl, ref.dslopes, &ma_ds, &fin_ds);
+      // d(slope) = -sum dS·|pos - j| over a head: its terms cancel to about 1e-3 of the sum of their
+      // magnitudes (every feature at T = 1000: -56.6 against a sum of 69080), so small errors of dS
+      // read large in the relative test: with soft-capping, the kernels' tanhf (tanh.approx under
+      // --use_fast_math, relative error up to 2^-11) moves every logit by up to softcap · 5e-4,
+      // the same way for equal inputs (the likeliest cause: ALiBi cases without softcap never
+      // failed), and the error came to 4.8e-4 of the magnitudes (24 % relative;
+      // 1 sweep in 6 failed on it, and 2 of 32 repeats of that case). Such a value passes within
+      // 1e-3 of its terms' magnitudes with soft-capping, 2e-4 without, besides the relative test.
+      const double terms_tol = c.f.softcap > 0.f ? 1e-3 : 2e-4;
+      bool within_terms = true;
+      for (size_t i = 0; i < dsl.size(); ++i) {
+        const double err = std::fabs(dsl[i] - ref.dslopes[i]);
+        within_terms = within_terms && err <= 4 * tol * std::fabs(ref.dslopes[i]) + terms_tol * ref.dslopes_l1[i];
+        e_ds_terms = std::max(e_ds_terms, err / std::max(ref.dslopes_l1[i], 1e-30));
+      }
+      good = good && fin_ds && (e_ds <= 4 * tol || ma_ds <= abs_tol || within_terms);
+      if (!good)
+        for (size_t i = 0; i < dsl.size(); ++i)
+          printf("[dslopes %zu: %.6g, reference %.6g, sum of |terms| %.6g] ", i, dsl[i], ref.dslopes[i],
+                 ref.dslopes_l1[i]);
+    }
+    return good;
+  };
+  double e_db = 0, e_ds = 0, e_ds_terms = 0;
+  if (!g_hopper_only) ok = extras_ok(dbias, dslopes, e_db, e_ds, e_ds_terms) && ok;
   ok = ok && range_misses == 0 && reproducible;
   if (!ok) ++g_failures;
   if (!reproducible) printf("[deterministic: dq differs between two runs] ");
-  if (!ok && !dslopes.empty())
-    for (size_t i = 0; i < dslopes.size(); ++i)
-      printf("[dslopes %zu: %.6g, reference %.6g, sum of |terms| %.6g] ", i, dslopes[i], ref.dslopes[i], ref.dslopes_l1[i]);
   if (c.f.name != nullptr)
     printf("[%s%s dbias %.2e dslopes %.2e (%.1e of its terms), range misses %d] ", c.f.name,
            c.f.dropout > 0.f ? " dropout" : "", e_db, e_ds, e_ds_terms, range_misses);
@@ -599,7 +630,12 @@ static void run_case(const Config& c, std::mt19937& rng) {
                            rel_err(dv90, ref.dv, &m90[2], &f90[2])};
     bool ok90 = true;
     for (int i = 0; i < 3; ++i) ok90 = ok90 && f90[i] && (e90[i] <= 4 * tol || m90[i] <= abs_tol);
+    ok90 = extras_ok(dbias90, dslopes90, e_db, e_ds, e_ds_terms) && ok90 && reproducible90;
+    if (!reproducible90) printf("[deterministic: the Hopper backward's dq differs between two runs] ");
     if (!ok90) ++g_failures;
+    if (c.f.name != nullptr)
+      printf("[%s%s dbias %.2e dslopes %.2e (%.1e of its terms)] ", c.f.name, c.f.dropout > 0.f ? " dropout" : "",
+             e_db, e_ds, e_ds_terms);
     printf("%s sm90-bwd %s B=%d T=%d S=%d N=%d K=%d H=%d causal=%d dlse=%d pad=%d | rel dq %.2e dk %.2e dv %.2e | maxabs dq %.1e dk %.1e%s\n",
            ok90 ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.dlse, c.pad, e90[0], e90[1], e90[2],
            m90[0], m90[1], (f90[0] && f90[1] && f90[2]) ? "" : " NONFINITE");
@@ -798,6 +834,9 @@ int main(int argc, char** argv) {
         for (bool causal : {false, true}) cases.push_back({2, 70, 90, 2, 1, 64, causal, BF, true, 0, f});
       Features all = all_features;
       cases.push_back({2, 130, 65, 4, 2, 128, true, FP, true, 8, all});
+      // The Hopper backward's other layouts with every feature, and its ordered dQ adds.
+      cases.push_back({1, 70, 90, 2, 1, 256, false, BF, true, 0, all});
+      for (int H : {128, 256}) cases.push_back({2, 130, 200, 4, 2, H, true, BF, true, 0, fs.back()});
     } else if (!bench_only) {
       for (const Features& f : fs)
         for (bool causal : {false, true}) {

@@ -5,8 +5,9 @@
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
 // ./harness --bench   timing only
-// ./harness --masks   timing of the masked forward against plain causal (issue 5's speed table),
-//                      interleaved rounds, medians
+// ./harness --masks   timing of the masked forward against plain causal (the masks' speed table),
+//                      interleaved rounds, medians; --masks-bwd the same for the Hopper backward
+//                      (deterministic=True as one more "mask")
 // ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal [mask [T]]   one timing (for ncu: its 4th launch is the first timed
@@ -365,7 +366,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
 
 static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 
-// Masks of the speed table (issue 5): causal attention plus one feature, on T = S.
+// Masks of the speed table: causal attention plus one feature, on T = S.
 // kQuarterCausal is no mask: plain causal on sequences of T / 4 (B x 16), the same useful FLOPs in
 // tiles of the same trip counts as window(2048, 0) and 4 segments of T / 4 at T = 16k, whose cost
 // beside plain causal at T is then the masks' alone, not that of shorter rows. kQuarterWideWindow is
@@ -374,7 +375,7 @@ static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 // kSegments, what packing four sequences into one row costs.
 enum class BenchMask {
   kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout, kQuarterWideWindow,
-  kQuarterOneSegment
+  kQuarterOneSegment, kDeterministic
 };
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
@@ -388,12 +389,13 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kQuarterWideWindow: return "window(T,0)(T/4)";
     case BenchMask::kQuarterOneSegment: return "segments(1 x T)(T/4)";
     case BenchMask::kDropout: return "dropout(0.1)";
+    case BenchMask::kDeterministic: return "deterministic";  // no mask: the backward's ordered dQ adds
   }
   return "?";
 }
 
 // One timed problem: causal or plain attention on T = S plus one BenchMask, with its buffers.
-// A masked run compares with plain causal at the same useful FLOPs (issue 5): masks that hide
+// A masked run compares with plain causal at the same useful FLOPs: masks that hide
 // most of the causal triangle (window, segments) get a larger batch B, so that both runs do about
 // as much useful work and fill the GPU alike.
 struct BenchProblem {
@@ -440,13 +442,13 @@ struct BenchProblem {
         pairs += double(std::max<int64_t>(hi - lo, 0));
       }
     }
-    if (bm != BenchMask::kNone) {
+    if (bm != BenchMask::kNone && bm != BenchMask::kDeterministic) {
       const double plain_pairs = causal ? 0.5 * double(T_full) * (T_full + 1) : double(T_full) * T_full;
       B = std::max(1, int(std::lround(B * plain_pairs / pairs)));
     }
     pairs *= B;
     p.B = B;
-    flops = bm == BenchMask::kNone ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0) : 4.0 * pairs * N * H;
+    flops = bm == BenchMask::kNone || bm == BenchMask::kDeterministic ? 4.0 * B * double(T) * T * N * H * (causal ? 0.5 : 1.0) : 4.0 * pairs * N * H;
     if (bm == BenchMask::kSegments || bm == BenchMask::kQuarterOneSegment)
       for (int b = 0; b < B; ++b)
         for (int i = 0; i < T; ++i) masks.q_seg.push_back(bm == BenchMask::kSegments ? i / (T / 4) : 0);
@@ -482,8 +484,38 @@ struct BenchProblem {
   BenchProblem& operator=(const BenchProblem&) = delete;
   ~BenchProblem() {
     for (auto& b : bufs) cudaFree(b);
+    for (auto& b : bwd_bufs) cudaFree(b);
     cudaFree(lse);
   }
+
+  // The Hopper backward's operands and workspace (params.h), the LSE from one forward call; with
+  // ALiBi d(slopes) too. Backward FLOPs: 2.5 x the forward's.
+  void* bwd_bufs[8] = {};
+  void enable_backward(cudaStream_t s) {
+    const size_t n = size_t(p.B) * p.T * p.N * p.H, rows = size_t(p.B) * p.N * p.dq_accum_rows();
+    const size_t sizes[8] = {n * 2, n * 2, n * 2, n * 2, rows * p.H * 4, 2 * rows * 4,
+                             size_t(p.B * p.N * p.dq_semaphores_per_head()) * 4,
+                             size_t(p.B * p.N * ((p.S + jfa::kDslopeKeys - 1) / jfa::kDslopeKeys)) * 4};
+    for (int i = 0; i < 8; ++i) {
+      CK(cudaMalloc(&bwd_bufs[i], sizes[i]));
+      CK(cudaMemset(bwd_bufs[i], 0, sizes[i]));
+    }
+    CK(cudaMemcpy(bwd_bufs[0], bufs[0], n * 2, cudaMemcpyDeviceToDevice));  // dO: Q's values
+    p.dout = bwd_bufs[0]; p.dq = bwd_bufs[1]; p.dk = bwd_bufs[2]; p.dv = bwd_bufs[3];
+    p.do_strides = p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
+    p.dq_accum = static_cast<float*>(bwd_bufs[4]);
+    p.softmax_d = static_cast<float*>(bwd_bufs[5]);
+    p.lse_log2 = p.softmax_d + rows;
+    p.deterministic = mask == BenchMask::kDeterministic;
+    p.dq_semaphore = static_cast<int32_t*>(bwd_bufs[6]);
+    if (p.mask.alibi_slopes != nullptr) {
+      p.mask.dslopes = static_cast<float*>(bwd_bufs[7]);
+      p.mask.dslope_slots = (p.S + jfa::kDslopeKeys - 1) / jfa::kDslopeKeys;
+    }
+    CK(jfa::sm90::forward(p, s));
+    backward_flops = 2.5 * flops;
+  }
+  double backward_flops = 0;
 
   cudaError_t forward(cudaStream_t s, bool sm90) const {
 #ifdef JFA_CHECK_NO_SM80
@@ -493,10 +525,14 @@ struct BenchProblem {
     return sm90 ? jfa::sm90::forward(p, s) : jfa::sm80::forward(p, s);
 #endif
   }
-  // Milliseconds per call of `calls` back-to-back calls.
-  float time_ms(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, bool sm90, int calls = 5) const {
+  // The pass timed by bench_masks: the Hopper backward once enable_backward ran, else the forward.
+  cudaError_t timed_pass(cudaStream_t s) const {
+    return backward_flops > 0 ? jfa::sm90::backward(p, s) : jfa::sm90::forward(p, s);
+  }
+  // Milliseconds per call of `calls` back-to-back calls (bench_masks: of timed_pass).
+  float time_ms(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, bool sm90, int calls = 5, bool pass = false) const {
     CK(cudaEventRecord(e0, s));
-    for (int i = 0; i < calls; ++i) CK(forward(s, sm90));
+    for (int i = 0; i < calls; ++i) CK(pass ? timed_pass(s) : forward(s, sm90));
     CK(cudaEventRecord(e1, s));
     CK(cudaEventSynchronize(e1));
     float t;
@@ -537,30 +573,31 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
   CK(cudaStreamDestroy(s));
 }
 
-// Issue 5's speed table (--masks): per head dim, plain causal and each mask on the sm90 forward,
+// The masks' speed table (--masks; --masks-bwd: the backward): per head dim, plain causal and each
+// mask on the sm90 forward (or backward),
 // their timing rounds interleaved (round r times every problem once, in a shuffled order), so
 // that clock and temperature drift reach all of them alike; medians of the rounds, and each
 // mask's median as a percentage of plain causal at the same useful FLOPs.
-static void bench_masks(DType dt, int H, int T, int N, int rounds) {
+static void bench_masks(DType dt, int H, int T, int N, int rounds, bool backward) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
-  for (BenchMask m : {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
-                      BenchMask::kQuarterOneSegment, BenchMask::kWideWindow, BenchMask::kWindow,
-                      BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout})
-    probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
+  std::vector<BenchMask> masks = {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
+                                  BenchMask::kQuarterOneSegment, BenchMask::kWideWindow, BenchMask::kWindow,
+                                  BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout};
+  if (backward) masks.push_back(BenchMask::kDeterministic);
+  for (BenchMask m : masks) probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  if (backward)
+    for (auto& pr : probs) pr->enable_backward(s);
   for (auto& pr : probs)
-    for (int i = 0; i < 3; ++i) CK(pr->forward(s, true));
+    for (int i = 0; i < 3; ++i) CK(pr->timed_pass(s));
   // Each round times the problems in an order of its own (shuffled, seeded by the round), each
-  // after two untimed calls: in a fixed order each problem always followed the same one, whose
-  // clocks and power state it inherited. Measured (H200, 2026-11-23, masks-13.csv): plain causal,
-  // timed after dropout, ran 3-4 % faster than shuffled, and 4 segments of 4096 (after ALiBi) 10 %
-  // slower than the same tiles as separate rows (after a no-op window), against 1-3 % shuffled
-  // and the same cycles under ncu. JFA_BENCH_FIXED_ORDER=1 keeps the fixed order, without the
-  // untimed calls (the harness before).
+  // after two untimed calls: in a fixed order each problem inherits the clocks and power state of
+  // the one before it (docs/performance.md, "Benchmark method"). JFA_BENCH_FIXED_ORDER=1 keeps the
+  // fixed order, without the untimed calls.
   const bool fixed_order = std::getenv("JFA_BENCH_FIXED_ORDER") != nullptr;
   std::vector<size_t> order(probs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -569,21 +606,22 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds) {
     if (!fixed_order) std::shuffle(order.begin(), order.end(), std::mt19937(unsigned(r)));
     for (size_t i : order) {
       if (!fixed_order)
-        for (int w = 0; w < 2; ++w) CK(probs[i]->forward(s, true));
-      ms[i].push_back(probs[i]->time_ms(s, e0, e1, true));
+        for (int w = 0; w < 2; ++w) CK(probs[i]->timed_pass(s));
+      ms[i].push_back(probs[i]->time_ms(s, e0, e1, true, 5, true));
     }
   }
-  const double plain = probs[0]->flops / median(ms[0]) * 1e-9;
-  const double plain_quarter = probs[1]->flops / median(ms[1]) * 1e-9;
+  auto flops_of = [&](size_t i) { return backward ? probs[i]->backward_flops : probs[i]->flops; };
+  const double plain = flops_of(0) / median(ms[0]) * 1e-9;
+  const double plain_quarter = flops_of(1) / median(ms[1]) * 1e-9;
   for (size_t i = 0; i < probs.size(); ++i) {
     const float med = median(ms[i]);
     const auto [lo, hi] = std::minmax_element(ms[i].begin(), ms[i].end());
-    const double tflops = probs[i]->flops / med * 1e-9;
+    const double tflops = flops_of(i) / med * 1e-9;
     const BenchMask m = probs[i]->mask;
-    printf("MASKS %s H=%d B=%d T=S=%d N=%d causal=1 mask=%s | sm90 fwd median %.3f ms (%d rounds, %.3f-%.3f) "
+    printf("MASKS %s H=%d B=%d T=S=%d N=%d causal=1 mask=%s | sm90 %s median %.3f ms (%d rounds, %.3f-%.3f) "
            "%.1f TFLOP/s (useful FLOPs) | %.1f %% of plain causal",
            dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), int(probs[i]->p.T), N, bench_mask_name(m),
-           med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
+           backward ? "bwd" : "fwd", med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
     // Masks whose rows see T / 4 keys or so, also beside plain causal on T / 4.
     if (m == BenchMask::kWindow || m == BenchMask::kSegments || m == BenchMask::kQuarterWideWindow ||
         m == BenchMask::kQuarterOneSegment)
@@ -663,7 +701,7 @@ int main(int argc, char** argv) {
         for (int T : {1024, 2048, 4096, 8192, 16384}) bench(DType::kBFloat16, H, 16384 / T, T, 2048 / H, causal);
     return 0;
   }
-  const bool small = mode == "--small", masks_only = mode == "--masks";
+  const bool small = mode == "--small", masks_bwd = mode == "--masks-bwd", masks_only = mode == "--masks" || masks_bwd;
   const bool bench_only = mode == "--bench" || masks_only;
   const unsigned seed = std::random_device{}();
   printf("seed: %u\n", seed);
@@ -744,7 +782,7 @@ int main(int argc, char** argv) {
       for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
   }
   if (masks_only)
-    for (int H : {64, 128, 256}) bench_masks(BF, H, 16384, 2048 / H, 15);
+    for (int H : {64, 128, 256}) bench_masks(BF, H, 16384, 2048 / H, 15, masks_bwd);
   printf("%d failures\n", g_failures);
   return g_failures ? 1 : 0;
 }

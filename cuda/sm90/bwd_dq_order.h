@@ -1,0 +1,65 @@
+// deterministic=True on the Hopper backward: every query block's dQ partial sums are added in
+// increasing key-block order, so the float32 accumulator, and dQ, are the same bits on every run.
+//
+// A semaphore per (batch, query head, kDqSemaphoreRows query rows) counts the key blocks that have
+// added into the block (zeroed by the launcher). Key block n_block's turn at query block m_block is
+// the number of lower key blocks that add there (bwd_dq_turn); the adder waits until the count
+// reaches it, adds, makes the adds visible and increments the count. A CTA only ever waits for
+// CTAs of lower key blocks of its (batch, K/V head), which every tile order launches first
+// (tile_scheduler.h: n-block-minor, or n-block rank-major within a section), so they are resident
+// or done: no wait can deadlock.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_general.h"
+#include "jfa/params.h"
+
+namespace jfa::sm90 {
+
+// The semaphore of query block m_block (kBlockM rows, a multiple of kDqSemaphoreRows) of (batch,
+// head): the first of its rows' (lane 0 of the portable kernels' layout, params.h).
+template <int kBlockM>
+__forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, int batch, int head, int m_block) {
+  static_assert(kBlockM % kDqSemaphoreRows == 0);
+  return p.dq_semaphore + (int64_t(batch) * p.N + head) * p.dq_semaphores_per_head() +
+         int64_t(m_block) * (kBlockM / kDqSemaphoreRows);
+}
+
+// How many key blocks below n_block add into query block m_block: all of them on the plain path
+// (every key block walks every query block; top-left causal: a lower key block's walk starts no
+// later and ends at the last block), else those whose walk (bwd_general_m_blocks) holds m_block,
+// counted by the 32 lanes of the calling warp together.
+template <int kBlockM, int kBlockN, int kPolicies>
+__forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, int n_block, int m_block) {
+  if constexpr (kPolicies == 0) {
+    return n_block;
+  } else {
+    const int lane = threadIdx.x % 32;
+    int turn = 0;
+    for (int base = 0; base < n_block; base += 32) {
+      bool adds = false;
+      if (base + lane < n_block) {
+        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN>(p, batch, base + lane);
+        adds = m_block >= r.x && m_block < r.y;
+      }
+      turn += __popc(__ballot_sync(0xffffffffu, adds));
+    }
+    return turn;
+  }
+}
+
+__forceinline__ __device__ void bwd_dq_wait_turn(const int32_t* semaphore, int turn) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(semaphore) : "memory");
+  } while (seen != turn);
+}
+
+// After this thread's adds (and those of the threads it met at a barrier since) are complete.
+__forceinline__ __device__ void bwd_dq_end_turn(int32_t* semaphore) {
+  __threadfence();
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
+
+}  // namespace jfa::sm90

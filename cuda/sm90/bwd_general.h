@@ -1,0 +1,342 @@
+// The Hopper backward's general path: masks (positions with either causal alignment, windows,
+// valid lengths, segment ids, the boolean mask), score modifiers (soft-capping, bias, ALiBi) and
+// dropout, with the gradients they add: d(bias) and d(ALiBi slopes). The semantics are those of
+// every other path: jfa::visible and jfa::additive_bias (mask.h, score_mod.h), soft-capping as the
+// Hopper forward computes it (mask.h, fast_tanh), and jfa::dropout_word's stream (dropout.h).
+//
+// Per key block: the query blocks that may see it (query_range, narrowed by the segment
+// summaries). Per step: whether the (query block, key block) tile needs the per-element predicate.
+// Per element, in one pass over a step's score and dP accumulators (either orientation):
+//   x = logit in log2 units (soft-capped: g = 1 − tanh², else g = 1; plus bias and ALiBi),
+//   P = exp2(x − LSE·log2 e) (0 where hidden), z = the dropout multiplier (0 or 1 / (1 − rate)),
+//   d(logit) = P∘(dP·z − D) — d(bias) itself, and −|i + offset − j| times it summed is d(slope) —,
+//   then P·z for dV and d(logit)·g as dS.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <type_traits>
+#include <utility>
+
+#include <cute/tensor.hpp>
+
+#include "dropout.h"
+#include "jfa/mask.h"
+#include "jfa/params.h"
+#include "jfa/philox.h"
+#include "jfa/row_policy.cuh"
+#include "jfa/score_mod.h"  // kLog2eF
+#include "bwd_softmax.h"
+#include "mask.h"
+
+namespace jfa::sm90 {
+
+using namespace cute;
+
+// Query blocks [begin, end) that may see key block n_block: by position (jfa::query_range), then
+// narrowed to the queries that may share a segment id with its keys. Empty: (0, 0).
+template <int kBlockM, int kBlockN>
+__forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, int batch, int n_block) {
+  const int key0 = n_block * kBlockN;
+  const KeyRange r = segment_narrowed(query_range(p, sequence_bounds(p, batch), key0, kBlockN),
+                                      p.mask.kv_segment_chunks, batch, int(p.S), key0, kBlockN);
+  if (r.end <= r.begin) return make_int2(0, 0);
+  return make_int2(int(r.begin / kBlockM), int((r.end + kBlockM - 1) / kBlockM));
+}
+
+// What every step of a CTA's key block shares.
+struct BwdGeneralBlock {
+  SequenceBounds bounds;
+  SegmentIds kv_ids;  // the key block's segment summary (unknown without segment ids)
+  int batch, key0;
+  uint32_t k0, k1, stream_batch, threshold;  // dropout: the Philox key, batch coordinate, threshold
+  float keep_scale;                          // 1 / (1 − rate)
+};
+
+template <int kBlockN>
+__forceinline__ __device__ BwdGeneralBlock bwd_general_block(const AttentionParams& p, int batch, int n_block) {
+  BwdGeneralBlock b;
+  b.bounds = sequence_bounds(p, batch);
+  b.batch = batch;
+  b.key0 = n_block * kBlockN;
+  b.kv_ids = segment_ids(p.mask.kv_segment_chunks, batch, int(p.S), b.key0, kBlockN);
+  b.k0 = b.k1 = b.stream_batch = b.threshold = 0;
+  b.keep_scale = 1.f;
+  if (p.mask.has_dropout()) {
+    const uint32_t* seed = p.mask.dropout_seeds + 3 * int64_t(batch);
+    b.k0 = __ldg(seed);
+    b.k1 = __ldg(seed + 1);
+    b.stream_batch = __ldg(seed + 2);
+    b.threshold = dropout_threshold(p.mask.dropout_rate);
+    b.keep_scale = 1.f / (1.f - p.mask.dropout_rate);
+  }
+  return b;
+}
+
+// The block of a CTA as the plain path needs it (batch and first key only), or the general path.
+template <int kPolicies, int kBlockN>
+__forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, int batch, int n_block) {
+  if constexpr (kPolicies != 0) return bwd_general_block<kBlockN>(p, batch, n_block);
+  BwdGeneralBlock b{};
+  b.batch = batch;
+  b.key0 = n_block * kBlockN;
+  return b;
+}
+
+// Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
+// mask, or segment ids that may differ inside it).
+template <int kBlockM, int kBlockN>
+__forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int m_block) {
+  const int query0 = m_block * kBlockM;
+  return general_tile_partial(p, b.bounds, query0, kBlockM, b.key0, kBlockN) ||
+         segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
+}
+
+// The dropout words of a thread's 2 x 2 elements at columns (c, c + 1) of its (rows, cols) view, in
+// the order (row 0, c), (row 0, c + 1), (row 1, c), (row 1, c + 1). Queries in columns: the
+// transposed layout (dropout_words_2x2_transposed); in rows: the forward's (jfa::dropout_words_2x2,
+// the lane of its pair that draws row 0's query or row 1's).
+template <bool kQueriesInColumns, typename Coords>
+__forceinline__ __device__ uint4 bwd_dropout_words(const BwdGeneralBlock& b, int head, int query0, Coords const& coords,
+                                                   int c) {
+  if constexpr (kQueriesInColumns) {
+    return dropout_words_2x2_transposed(b.k0, b.k1, b.stream_batch, uint32_t(head),
+                                        uint32_t(query0 + get<1>(coords(0, c))),
+                                        uint32_t(b.key0 + get<0>(coords(0, c))));
+  } else {
+    const int drawn = threadIdx.x & 1;
+    return dropout_words_2x2(b.k0, b.k1, b.stream_batch, uint32_t(head), uint32_t(query0 + get<0>(coords(drawn, c))),
+                             uint32_t(b.key0 + get<1>(coords(0, c))));
+  }
+}
+
+// Dropout's keep bits of a thread's elements of one step, bit 2c + e for element e of column pair
+// c (in the order of bwd_dropout_words). The mainloops make the next step's while the current
+// step's last GEMM runs, when the score and dP accumulators are dead: made in the element pass,
+// the Philox calls' registers would spill the dK and dV accumulators.
+template <int kCols>
+struct BwdKeepBits {
+  uint32_t bits[(2 * kCols + 31) / 32];
+  __forceinline__ __device__ bool kept(int c, int e) const { return (bits[(2 * c + e) / 32] >> ((2 * c + e) % 32)) & 1u; }
+};
+
+template <bool kQueriesInColumns, typename Coords>
+__forceinline__ __device__ BwdKeepBits<decltype(size<1>(std::declval<Coords>()))::value> bwd_keep_bits(
+    const BwdGeneralBlock& b, int head, int m_block, int block_m, Coords const& coords) {
+  constexpr int kCols = decltype(size<1>(coords))::value;
+  BwdKeepBits<kCols> keep{};
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 2) {
+    const uint4 w = bwd_dropout_words<kQueriesInColumns>(b, head, m_block * block_m, coords, c);
+    const uint32_t bits = uint32_t(w.x >= b.threshold) | uint32_t(w.y >= b.threshold) << 1 |
+                          uint32_t(w.z >= b.threshold) << 2 | uint32_t(w.w >= b.threshold) << 3;
+    keep.bits[(2 * c) / 32] |= bits << ((2 * c) % 32);
+  }
+  return keep;
+}
+
+// One query's terms of the element pass: the keys [lo, hi) it sees by position (jfa::key_lo,
+// key_hi; empty past its valid length), its segment id and index. Four registers: with the data
+// masks' and the bias's rows addressed per element from the index, two of them cost the dK and dV
+// accumulators no spill, where two RowPolicy did.
+struct BwdQuery {
+  int lo, hi, seg, i;
+};
+
+__forceinline__ __device__ BwdQuery bwd_query(const AttentionParams& p, const BwdGeneralBlock& b, int i) {
+  const bool valid = i < b.bounds.q_len;
+  BwdQuery q;
+  q.lo = valid ? int(key_lo(p, b.bounds, i)) : 0;
+  q.hi = valid ? int(key_hi(p, b.bounds, i)) : 0;
+  q.seg = valid && p.mask.q_segment_ids != nullptr ? p.mask.q_segment_ids[int64_t(b.batch) * p.T + i] : 0;
+  q.i = i;
+  return q;
+}
+
+// What a step's tile needs of the element pass, from the cheapest: kPlain, the plain path's work
+// (with dropout's multiplier); kModified, soft-capping and ALiBi on a tile every element of which
+// is visible; kGeneral, the per-element predicate (partial tiles) and the bias. bwd_step picks the
+// cheapest that covers the tile: most tiles of a windowed, segmented or length-limited call are
+// full and take kPlain, as they would on the plain kernel.
+enum class BwdTilePass { kPlain, kModified, kGeneral };
+
+// The element pass (the header's comment) over a step's scores `s` (raw Q·Kᵀ, becomes P·z) and
+// `dp` (becomes dS), (rows, cols) views with the coordinates `coords` of the same shape; lse_log2
+// and d: the step's row statistics per query (smem). kGeneral adds d(bias) into p.mask.dbias
+// (float32 atomics) and tests visibility where `partial`. keep: dropout's keep bits
+// (bwd_keep_bits; read with kDropout only). Returns this thread's share of
+// Σ d(logit)·|i + offset − j| (d(slope) is minus the sum; 0 on kPlain).
+template <BwdTilePass kPass, bool kDropout, bool kQueriesInColumns, typename Scores, typename Grads, typename Coords,
+          typename Keep>
+__forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords const& coords, const float* lse_log2,
+                                                   const float* d, const AttentionParams& p, const BwdGeneralBlock& b,
+                                                   int head, int query0, bool partial, const Keep& keep) {
+  static_assert(decltype(size<0>(s))::value == 2, "a 64-row wgmma atom: two rows per thread");
+  constexpr int kCols = decltype(size<1>(s))::value;
+  static_assert(kCols % 2 == 0);
+  constexpr bool kGeneral = kPass == BwdTilePass::kGeneral, kModified = kPass != BwdTilePass::kPlain;
+  const MaskParams& m = p.mask;
+  const bool softcap = kModified && m.softcap > 0.f;
+  const float softcap2 = m.softcap * kLog2eF, softcap_in = softcap ? p.scale_log2 / softcap2 : 0.f;
+  // ALiBi's term in log2 units; d(slope) needs |i + offset − j| = |pos0 + query − key| per element.
+  const float slope_log2 = kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
+  const int pos0 = query0 + int(b.bounds.offset) - b.key0;
+  // This (batch, head)'s planes of the boolean mask, the bias and d(bias) (null: none).
+  const uint8_t* mask = kGeneral && m.mask != nullptr
+                            ? m.mask + b.batch * m.mask_strides.batch + head * m.mask_strides.head : nullptr;
+  const float* bias = kGeneral && m.bias != nullptr
+                          ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
+  float* dbias = kGeneral && m.dbias != nullptr
+                     ? m.dbias + b.batch * m.dbias_strides.batch + head * m.dbias_strides.head : nullptr;
+  const int32_t* kv_seg = kGeneral && m.q_segment_ids != nullptr ? m.kv_segment_ids + int64_t(b.batch) * p.S : nullptr;
+  float slope_dot = 0.f;
+  // The row statistics of the two queries at hand (columns c, c + 1, or rows 0, 1), read from smem
+  // as needed: held for every query of the thread, they would spill the dK and dV accumulators.
+  auto stats_of = [&](const float* stats, int c) {
+    const int q = kQueriesInColumns ? get<1>(coords(0, c)) : 0;
+    return kQueriesInColumns ? *reinterpret_cast<const float2*>(stats + q)
+                             : make_float2(stats[get<0>(coords(0, 0))], stats[get<0>(coords(1, 0))]);
+  };
+  // kGeneral, partial tiles: the two queries at hand, made per column pair where queries are
+  // columns, once where rows.
+  BwdQuery row_queries[2];
+  if (kGeneral && !kQueriesInColumns && partial) {
+    row_queries[0] = bwd_query(p, b, query0 + get<0>(coords(0, 0)));
+    row_queries[1] = bwd_query(p, b, query0 + get<0>(coords(1, 0)));
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; c += 2) {
+    const float2 lse = stats_of(lse_log2, c), dsum = stats_of(d, c);
+    BwdQuery col_queries[2];
+    if (kGeneral && kQueriesInColumns && partial) {
+      col_queries[0] = bwd_query(p, b, query0 + get<1>(coords(0, c)));
+      col_queries[1] = bwd_query(p, b, query0 + get<1>(coords(0, c)) + 1);
+    }
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1, cc = c + (e & 1);
+      // The query's index among the two at hand: the column's (queries in columns) or the row's.
+      const int at = kQueriesInColumns ? (e & 1) : r;
+      const int qk_query = kQueriesInColumns ? get<1>(coords(r, cc)) : get<0>(coords(r, cc));
+      const int qk_key = kQueriesInColumns ? get<0>(coords(r, cc)) : get<1>(coords(r, cc));
+      const float lse_i = at == 0 ? lse.x : lse.y, dsum_i = at == 0 ? dsum.x : dsum.y;
+      float prob, g = 1.f;
+      int abs_dist = 0;
+      if constexpr (!kModified) {
+        prob = exp2f(fmaf(s(r, cc), p.scale_log2, -lse_i));
+      } else {
+        const int dist = pos0 + qk_query - qk_key;
+        abs_dist = dist < 0 ? -dist : dist;
+        // jfa::visible, on partial tiles only. Hidden elements read nothing more: their queries
+        // may lie past T, their keys past S.
+        bool visible_here = true;
+        const int i = query0 + qk_query, j = b.key0 + qk_key;
+        if (kGeneral && partial) {
+          const BwdQuery& q = kQueriesInColumns ? col_queries[at] : row_queries[at];
+          visible_here = j >= q.lo && j < q.hi;
+          if (kv_seg != nullptr) visible_here = visible_here && kv_seg[j] == q.seg;
+          if (mask != nullptr)
+            visible_here = visible_here && mask[int64_t(i) * m.mask_strides.row + int64_t(j) * m.mask_strides.col] != 0;
+        }
+        float x = s(r, cc) * p.scale_log2;
+        if (softcap) {
+          const float t = fast_tanh(s(r, cc) * softcap_in);
+          x = softcap2 * t;
+          g = 1.f - t * t;
+        }
+        // jfa::additive_bias: ALiBi's −slope·|i + offset − j|, and the bias.
+        x = fmaf(-slope_log2, float(abs_dist), x);
+        if (bias != nullptr && visible_here)
+          x = fmaf(bias[int64_t(i) * m.bias_strides.row + int64_t(j) * m.bias_strides.col], kLog2eF, x);
+        prob = visible_here ? exp2f(x - lse_i) : 0.f;
+        (void)i;
+      }
+      float z = 1.f;
+      if constexpr (kDropout) z = keep.kept(c, e) ? b.keep_scale : 0.f;
+      const float dlogit = prob * (dp(r, cc) * z - dsum_i);
+      if constexpr (kGeneral) {
+        if (dbias != nullptr && dlogit != 0.f)
+          atomicAdd(dbias + int64_t(query0 + qk_query) * m.dbias_strides.row +
+                        int64_t(b.key0 + qk_key) * m.dbias_strides.col,
+                    dlogit);
+      }
+      if constexpr (kModified) slope_dot = fmaf(dlogit, float(abs_dist), slope_dot);
+      s(r, cc) = prob * z;
+      dp(r, cc) = dlogit * g;
+    }
+  }
+  return slope_dot;
+}
+
+// d(ALiBi slopes): slot (batch, head, 64-key group) of p.mask.dslopes receives minus the step's
+// Σ d(logit)·|i + offset − j| over its keys, added by one thread in a fixed order (deterministic,
+// no atomics). A slot's keys are kSlotWarps MMA warps' (one warpgroup's Sᵀ rows, or both
+// warpgroups' S columns in the split-head layout). Each warp leaves its sum in `sums` (this step's
+// parity of the two) before the step's dS barrier; after it the slot's first thread adds them.
+// The parity keeps the next step's sums from overwriting these before they are read: that step's
+// barrier waits for the reader.
+__forceinline__ __device__ void bwd_stage_slope_dot(float v, float (&sums)[8], int mma_tid) {
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (mma_tid % 32 == 0) sums[mma_tid / 32] = v;
+}
+
+template <int kSlotWarps>
+__forceinline__ __device__ void bwd_add_slope_dot(const AttentionParams& p, const float (&sums)[8], int mma_tid,
+                                                  int batch, int head, int first_key) {
+  if (mma_tid % (kSlotWarps * 32) != 0 || first_key >= p.S) return;  // (a slot past S has no slot)
+  float total = 0.f;
+  CUTE_UNROLL
+  for (int w = 0; w < kSlotWarps; ++w) total += sums[mma_tid / 32 + w];
+  p.mask.dslopes[(int64_t(batch) * p.N + head) * p.mask.dslope_slots + first_key / kDslopeKeys] -= total;
+}
+
+// A step's GEMMs S and dP and their element work (bwd_step_scores), on the plain path (kPolicies
+// == 0: P and dS with the top-left causal mask of kCausal, bwd_softmax.h) or on the general path
+// (every policy of the call, the kPolicyDropout bit compiling dropout in, with the step's keep
+// bits); the general path also leaves the step's d(slope) sums in slope_sums (bwd_stage_slope_dot).
+template <typename Traits, bool kCausal, int kPolicies, bool kQueriesInColumns, typename Mma, typename Pipeline,
+          typename State, typename AS, typename BS, typename ADP, typename BDP, typename Acc, typename Coords,
+          typename Keep>
+__forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipeline& pipeline_do, State const& read,
+                                         AS const& a_s, BS const& b_s, ADP const& a_dp, BDP const& b_dp, Acc& tSrS,
+                                         Acc& tdPrdP, Coords const& coords, const float* lse_log2, const float* d,
+                                         const AttentionParams& p, const BwdGeneralBlock& block, int head, int m_block,
+                                         const Keep& keep, float (&slope_sums)[8]) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  const int query0 = m_block * kBlockM;
+  if constexpr (kPolicies == 0) {
+    const bool masked = bwd_block_needs_mask<Traits, kCausal>(block.key0, m_block, int(p.S));
+    bwd_step_scores(
+        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP,
+        [&](auto& scores) {
+          bwd_probabilities<kCausal, kQueriesInColumns>(scores, coords, lse_log2, p.scale_log2, masked, block.key0,
+                                                        query0, int(p.S));
+        },
+        [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
+  } else {
+    const bool partial = bwd_general_partial<kBlockM, kBlockN>(p, block, m_block);
+    const MaskParams& m = p.mask;
+    constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
+    bwd_step_scores(
+        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP, [](auto&) {},
+        [&](auto& scores, auto& grads) {
+          float slope_dot = 0.f;
+          auto pass = [&](auto kind) {
+            return bwd_tile_elements<decltype(kind)::value, kDropout, kQueriesInColumns>(
+                scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep);
+          };
+          using Pass = BwdTilePass;
+          if (partial || m.bias != nullptr)
+            slope_dot = pass(std::integral_constant<Pass, Pass::kGeneral>{});
+          else if (m.softcap > 0.f || m.alibi_slopes != nullptr)
+            slope_dot = pass(std::integral_constant<Pass, Pass::kModified>{});
+          else
+            pass(std::integral_constant<Pass, Pass::kPlain>{});
+          if (m.dslopes != nullptr) bwd_stage_slope_dot(slope_dot, slope_sums, int(threadIdx.x) - 128);
+        });
+  }
+}
+
+}  // namespace jfa::sm90
