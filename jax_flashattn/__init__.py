@@ -4,6 +4,7 @@
     out, lse = jax_flashattn.flash_attention(q, k, v, return_lse=True)    # differentiable LSE
     out = jax_flashattn.dot_product_attention(q, k, v, is_causal=True)    # jax.nn drop-in
     out = jax_flashattn.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=..., max_seqlen_k=...)
+    out = jax_flashattn.context_parallel_attention(q, k, v, axis_name="cp")  # inside shard_map
 """
 import pkgutil
 
@@ -13,12 +14,14 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import batching as _batching  # noqa: F401  (registers the vmap rules)
+from . import sharding as _sharding  # noqa: F401  (registers the partitioned lowerings)
 from ._ext import build_info
 from .attention import flash_attention
+from .context_parallel import context_parallel_attention, load_balance
 from .dropin import dot_product_attention
 from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "dot_product_attention", "varlen_attention", "build_info",
-           "__version__"]
+__all__ = ["flash_attention", "dot_product_attention", "varlen_attention",
+           "context_parallel_attention", "load_balance", "build_info", "__version__"]

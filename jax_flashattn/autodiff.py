@@ -15,6 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ._compat import pcast_varying, varying_axes
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
@@ -22,7 +23,7 @@ _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for an absent operand
 _REST_SLOPES = Extras._fields.index("alibi_slopes") - 1  # its index in `rest` (Extras without bias)
 
 
-def _operands(bias, rest):
+def extra_operands(bias, rest):
     """The eight extra operands in order, with rank-0 placeholders where absent."""
     extras = (bias,) + tuple(rest)
     return [jnp.zeros((), _PLACEHOLDER) if x is None else x for x in extras]
@@ -32,13 +33,13 @@ def _operands(bias, rest):
 def attention_core(q, k, v, bias, rest, scale, config, implementation):
     """(o, lse) for q BTNH, k BSKH, v BSKHv; lse float32 BTN, natural log. bias: float32 rank 4
     or None; rest: the other Extras fields (arrays or None)."""
-    return tuple(attention_fwd_p.bind(q, k, v, *_operands(bias, rest), scale=scale, config=config,
-                                      implementation=implementation))
+    return tuple(attention_fwd_p.bind(q, k, v, *extra_operands(bias, rest), scale=scale,
+                                      config=config, implementation=implementation))
 
 
 def _fwd(q, k, v, bias, rest, scale, config, implementation):
-    o, lse = attention_fwd_p.bind(q, k, v, *_operands(bias, rest), scale=scale, config=config,
-                                  implementation=implementation)
+    o, lse = attention_fwd_p.bind(q, k, v, *extra_operands(bias, rest), scale=scale,
+                                  config=config, implementation=implementation)
     return (o, lse), (q, k, v, o, lse, bias, rest)
 
 
@@ -48,7 +49,7 @@ def _bwd(scale, config, implementation, residuals, cotangents):
     do = jnp.asarray(do, dtype=o.dtype)
     dlse = jnp.asarray(dlse, dtype=jnp.float32)
     dq, dk, dv, dbias, dslopes = attention_bwd_p.bind(q, k, v, o, lse, do, dlse,
-                                                      *_operands(bias, rest), scale=scale,
+                                                      *extra_operands(bias, rest), scale=scale,
                                                       config=config, implementation=implementation)
     slopes = rest[_REST_SLOPES]
     if slopes is not None and slopes.shape[0] == 1:  # shared by the batch: sum its elements' shares
@@ -83,4 +84,18 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         # what computes the same logits exactly: q = 0 and scale 1. The gradients of q and k are 0
         # either way. (Only an inf or NaN in q differs: 0 · inf would be NaN, 0-valued q gives 0.)
         q, scale = jnp.zeros_like(q), 1.0
+    q, k, v, extras = vary_together(q, k, v, extras)
     return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)
+
+
+def vary_together(*operands):
+    """Inside shard_map, the operands marked as varying over every manual axis any of them varies
+    over. The kernels' results vary over all of those axes, and custom_vjp requires each
+    gradient to have its primal's type; an operand the same on every device (say K/V replicated
+    over a query-sequence axis) thus enters as varying, and the transpose of that cast sums its
+    gradient over the devices, which is its true gradient."""
+    leaves, tree = jax.tree.flatten(operands)
+    axes = [varying_axes(jax.typeof(x)) for x in leaves]
+    union = frozenset().union(*axes)
+    leaves = [pcast_varying(x, tuple(a for a in union if a not in own)) for x, own in zip(leaves, axes)]
+    return jax.tree.unflatten(tree, leaves)

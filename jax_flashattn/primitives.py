@@ -8,6 +8,10 @@ ALiBi slopes, dropout seeds), each a rank-0 placeholder where absent; dbias is f
 bias's shape, dslopes float32 [B, N] (per batch element, also for slopes shared by the batch),
 each a rank-0 placeholder without its operand. Parameters: scale (float), config (_options.MaskConfig),
 implementation (None, 'cpu' or 'cuda'). Inputs are validated by the public functions first.
+
+Each primitive has a per-device twin (attention_fwd_kernel_p, attention_bwd_kernel_p) with the
+same operands, which this module lowers to the FFI targets; the primitives themselves lower
+through sharding.py, which partitions them over a mesh and binds the twins per shard.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ext
-from ._compat import Primitive, ShapedArray, apply_primitive, mlir
+from ._compat import Primitive, apply_primitive, mlir, varying_axes
 from ._options import Extras
 from ._segment_chunks import segment_chunks
 
@@ -26,12 +30,34 @@ attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
 attention_bwd_p = Primitive("jfa_attention_bwd")
 attention_bwd_p.multiple_results = True
+attention_fwd_kernel_p = Primitive("jfa_attention_fwd_kernel")
+attention_fwd_kernel_p.multiple_results = True
+attention_bwd_kernel_p = Primitive("jfa_attention_bwd_kernel")
+attention_bwd_kernel_p.multiple_results = True
+
+
+def _result(operands, shape, dtype, spec):
+    """A result's abstract value: inside shard_map it varies over the manual axes of the most
+    varying operand (a bare ShapedArray would claim it is the same on every device, and
+    custom_vjp's type check rejects gradients typed that way); `spec` lays it out on the mesh
+    as the operands' entries it names (Explicit axes)."""
+    like = max(operands, key=lambda a: len(varying_axes(a)))
+    sharding = jax.sharding.NamedSharding(like.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return like.update(shape=tuple(shape), dtype=dtype, weak_type=False, sharding=sharding)
+
+
+def _spec(aval, dims):
+    """The mesh axes of aval's dimensions `dims` (None for an unsharded one)."""
+    spec = tuple(aval.sharding.spec) + (None,) * aval.ndim
+    return [spec[d] for d in dims]
 
 
 def _fwd_abstract_eval(q, k, v, *extras, scale, config, implementation):
     B, T, N, _ = q.shape
     Hv = v.shape[-1]
-    return (ShapedArray((B, T, N, Hv), q.dtype), ShapedArray((B, T, N), jnp.float32))
+    operands = (q, k, v) + extras
+    return (_result(operands, (B, T, N, Hv), q.dtype, _spec(q, (0, 1, 2)) + [None]),
+            _result(operands, (B, T, N), jnp.float32, _spec(q, (0, 1, 2))))
 
 
 _SLOPES = Extras._fields.index("alibi_slopes")
@@ -43,15 +69,21 @@ def _dslopes_shape(q, extras):
 
 def _bwd_abstract_eval(q, k, v, o, lse, do, dlse, *extras, scale, config, implementation):
     bias = extras[0]
-    return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
-            ShapedArray(v.shape, v.dtype), ShapedArray(bias.shape, jnp.float32),
-            ShapedArray(_dslopes_shape(q, extras), jnp.float32))
+    operands = (q, k, v, o, lse, do, dlse) + extras
+    dslopes_shape = _dslopes_shape(q, extras)
+    return (_result(operands, q.shape, q.dtype, _spec(q, range(4))),
+            _result(operands, k.shape, k.dtype, _spec(k, range(4))),
+            _result(operands, v.shape, v.dtype, _spec(v, range(4))),
+            _result(operands, bias.shape, jnp.float32, _spec(bias, range(bias.ndim))),
+            _result(operands, dslopes_shape, jnp.float32, _spec(q, (0, 2))[:len(dslopes_shape)]))
 
 
-attention_fwd_p.def_impl(partial(apply_primitive, attention_fwd_p))
-attention_bwd_p.def_impl(partial(apply_primitive, attention_bwd_p))
+for _prim in (attention_fwd_p, attention_bwd_p, attention_fwd_kernel_p, attention_bwd_kernel_p):
+    _prim.def_impl(partial(apply_primitive, _prim))
 attention_fwd_p.def_abstract_eval(_fwd_abstract_eval)
 attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)
+attention_fwd_kernel_p.def_abstract_eval(_fwd_abstract_eval)
+attention_bwd_kernel_p.def_abstract_eval(_bwd_abstract_eval)
 
 
 def _ffi_attrs(scale, is_causal):
@@ -87,8 +119,8 @@ def _cpu_lowering(target):
     return rule
 
 
-mlir.register_lowering(attention_fwd_p, _cpu_lowering(_ext.FORWARD_TARGET), platform="cpu")
-mlir.register_lowering(attention_bwd_p, _cpu_lowering(_ext.BACKWARD_TARGET), platform="cpu")
+mlir.register_lowering(attention_fwd_kernel_p, _cpu_lowering(_ext.FORWARD_TARGET), platform="cpu")
+mlir.register_lowering(attention_bwd_kernel_p, _cpu_lowering(_ext.BACKWARD_TARGET), platform="cpu")
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
@@ -208,5 +240,5 @@ def _cuda_lowering(fn):
     return rule
 
 
-mlir.register_lowering(attention_fwd_p, _cuda_lowering(_cuda_forward), platform="cuda")
-mlir.register_lowering(attention_bwd_p, _cuda_lowering(_cuda_backward), platform="cuda")
+mlir.register_lowering(attention_fwd_kernel_p, _cuda_lowering(_cuda_forward), platform="cuda")
+mlir.register_lowering(attention_bwd_kernel_p, _cuda_lowering(_cuda_backward), platform="cuda")

@@ -1,5 +1,7 @@
 """Test setup: CPU tests run on the CPU device even on a GPU machine; tests marked `gpu` run on
-the GPU and are skipped without one, unless JFA_REQUIRE_GPU=1 turns the skip into a failure."""
+the GPU and are skipped without one, unless JFA_REQUIRE_GPU=1 turns the skip into a failure.
+tests/multidevice needs fake CPU devices set before JAX starts: it is collected only in the
+child run that tests/test_multidevice.py starts (JFA_MULTIDEVICE=1)."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +9,8 @@ import os
 
 import jax
 import pytest
+
+collect_ignore = [] if os.environ.get("JFA_MULTIDEVICE") == "1" else ["multidevice"]
 
 
 @functools.cache

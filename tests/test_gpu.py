@@ -1,9 +1,9 @@
 """The CUDA kernels on a GPU: forward, LSE and gradients against the float32 reference, with the
 error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
 
-Everything runs through the default dispatch: on an sm90 GPU the Hopper forward for head dims
-64/128/256 and the Hopper backward for plain and causal calls at the same head dims (the rest on
-the portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
+Everything runs through the default dispatch: on an sm90 GPU the Hopper forward and backward for head
+dims 64/128/256, masks, score modifiers and dropout included (deterministic=True and the other head
+dims on the portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
 at each dispatch), so both paths are covered.
 
 Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
@@ -242,10 +242,10 @@ def test_repeated_calls_are_deterministic_in_forward():
 
 # ---- Masks, bias, soft-capping, ALiBi, dropout (issue 5) ----------------------------------------
 # The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
-# bounds of util.BOUNDS). On sm90 the forward of head dims 64/128/256 is the Hopper kernel's
-# general path (with dropout its dropout kernel); other head dims and the backward run on the
-# portable kernels' general path. test_mask_features_portable_forward_forced covers the portable forward
-# at a Hopper head dim.
+# bounds of util.BOUNDS). On sm90 head dims 64/128/256 take the Hopper kernels' general paths, forward
+# (with dropout its dropout kernel) and backward (cuda/sm90/bwd_general.h); other head dims and
+# deterministic=True run on the portable kernels' general path. The `portable ... forced` tests cover
+# the portable kernels at a Hopper head dim.
 
 from jax_flashattn import dropout as _dropout  # noqa: E402
 from test_bias_mask import BROADCASTS, _shape as _bias_shape, check_everything_at_once  # noqa: E402
@@ -321,7 +321,8 @@ def test_segment_ids_past_short_sequences_on_gpu(kind, H):
                                    ("bottom_right_window", "alibi", "kv_lengths"), ("segments", "softcap")],
                          ids="+".join)
 def test_mask_features_portable_forward_forced(combo, monkeypatch):
-    """JFA_FORCE_SM80=1: the portable forward's general path at head dim 128 (Hopper's otherwise)."""
+    """JFA_FORCE_SM80=1: the portable forward's and backward's general paths at head dim 128
+    (Hopper's otherwise)."""
     monkeypatch.setenv("JFA_FORCE_SM80", "1")
     check_combined(fresh_seed(), GPU_MASK_SHAPES["big"], combo, dtype=BF16)
 
@@ -407,10 +408,34 @@ def test_dropout_forward_and_gradients_on_gpu(kw, H):
     check_dropout_against_reference(fresh_seed(), (2, 170, 145, 4, 2, H), kw, dtype=BF16)
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_dropout_gradients_portable_backward_forced(H, monkeypatch):
+    """JFA_FORCE_SM80=1: the portable kernels with dropout at a Hopper head dim; the same Philox stream
+    as the Hopper kernels' (the default), whose gradients it matches."""
+    seed = fresh_seed()
+    shape = (2, 170, 300, 4, 2, H)
+    q, k, v = random_qkv(seed, *shape, dtype=BF16)
+    do = jax.random.normal(jax.random.key(seed + 1), q.shape).astype(BF16)
+    kw = dict(is_causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(seed + 2),
+              alibi_slopes=jnp.full((4,), 0.03), implementation="cuda")
+
+    def grads():  # a fresh jit each time: dispatched again
+        return jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: jfa.flash_attention(q, k, v, **kw), q, k, v)[1](do))(
+            q, k, v)
+
+    default = grads()
+    monkeypatch.setenv("JFA_FORCE_SM80", "1")
+    portable = grads()
+    _, grad_bound = BOUNDS[BF16]
+    for name, a, b in zip("qkv", default, portable):
+        assert rel_err(a, b) <= grad_bound, f"seed {seed}: d{name} default vs portable {rel_err(a, b)}"
+    check_dropout_against_reference(seed, shape, dict(is_causal=True), dtype=BF16)
+
+
 @pytest.mark.parametrize("combo", [("causal", "segments", "alibi"), ("bottom_right_window", "kv_lengths")],
                          ids="+".join)
 def test_dropout_with_masks_past_one_tile_on_gpu(combo):
-    """Dropout with other features on several query and key tiles of the Hopper forward (H 128)."""
+    """Dropout with other features on several query and key tiles of the Hopper kernels (H 128)."""
     seed = fresh_seed()
     B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
     rng, rate = jax.random.key(seed + 5), 0.2
@@ -527,3 +552,40 @@ def test_cross_packed_varlen_on_gpu():
     """Two different packings (cross-attention, no positions): one unpadded batch row with segment
     ids of different lengths on each side."""
     _check_varlen_on_gpu(fresh_seed(), [130, 1, 517, 64], [200, 77, 3, 390], False, dict(softcap=5.0))
+
+
+# ---- Sharding and context parallelism on one GPU ------------------------------------------------
+# The partitioned paths (jax_flashattn/sharding.py, context_parallel.py) on a 1-device mesh of the
+# GPU, against the plain call: the CUDA kernels under custom_partitioning and inside shard_map.
+# tests/multidevice/ covers several (CPU) devices.
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_sharded_and_context_parallel_on_one_gpu(strategy):
+    seed = fresh_seed()
+    B, T, N, K, H = 2, 300, 4, 2, 128
+    q, k, v = random_qkv(seed, B, T, T, N, K, H, dtype=BF16)
+    do = jax.random.normal(jax.random.key(seed + 1), q.shape).astype(BF16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec("x")
+
+    def plain(q, k, v):
+        return jfa.flash_attention(q, k, v, is_causal=True)
+
+    def ring(q, k, v):
+        return jax.shard_map(lambda q, k, v: jfa.context_parallel_attention(
+            q, k, v, axis_name="x", strategy=strategy, is_causal=True), mesh=mesh,
+            in_specs=(jax.sharding.PartitionSpec(None, "x"),) * 3,
+            out_specs=jax.sharding.PartitionSpec(None, "x"))(q, k, v)
+
+    def grads(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return (out,) + vjp(do)
+
+    ref = jax.jit(lambda q, k, v: grads(plain, q, k, v))(q, k, v)
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (q, k, v)]
+    sharded = jax.jit(lambda q, k, v: grads(plain, q, k, v))(*placed)
+    cp = jax.jit(lambda q, k, v: grads(ring, q, k, v))(q, k, v)
+    _, grad_bound = BOUNDS[BF16]
+    for name, r, a, b in zip(["out", "dq", "dk", "dv"], ref, sharded, cp):
+        assert rel_err(a, r) <= 1e-6, f"seed {seed}: {name} sharded vs plain {rel_err(a, r)}"
+        assert rel_err(b, r) <= grad_bound, f"seed {seed}: {name} {strategy} vs plain {rel_err(b, r)}"

@@ -1,0 +1,379 @@
+"""How the attention primitives run on a mesh under `jax.jit`: each call is partitioned into
+per-device kernel calls (`custom_partitioning`, with a Shardy sharding rule and the GSPMD
+callbacks, so it works with either partitioner). Inside a `shard_map` that is manual over every
+mesh axis the kernels simply run on the local blocks.
+
+What each call keeps sharded, decided from the query's sharding:
+  * batch and heads: kept, with no collective in either pass. Key/value heads split with the
+    query heads (query head n uses key/value head n // G, so whole GQA groups stay together);
+    when K does not divide by the head shards the heads are gathered instead.
+  * query sequence: kept where each device's query positions can be offset to the global ones
+    (below); K/V are then needed whole on every device, and the backward sums dK/dV over the
+    query shards, the only collective.
+  * key/value sequence and head dims: gathered. Sequence-sharded K/V also log a one-time warning
+    that points to `context_parallel_attention`, which never gathers them.
+Masks, biases, segment ids, lengths, slopes and dropout seeds are split along the axes they
+share with the query; an operand broadcast over a sharded axis (size 1 there) is replicated
+along it, and its gradient summed over that axis's devices.
+
+Query offsets. With bottom-right alignment the kernels place query i at key position
+i + kv_len - q_len (valid lengths per batch element). A device holding queries [o, o + T_local)
+is given q_len' = clip(Lq - o, 0, T_local) and kv_len' = base + o + q_len', base = Lk - Lq for
+bottom-right calls and 0 for top-left ones, which puts its query i at global position
+o + i + base. kv_len' also hides the keys past it, which only changes nothing when no query sees
+keys after its own position: causal calls, or windows with no right reach; and for top-left
+calls it must not exceed the valid keys (no key lengths, T <= S). Calls without positions (no
+causal mask, window or ALiBi) only need q_len'. Dropout draws its mask from the local query and
+head indices, so with dropout the query sequence and the heads stay whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
+                                                  custom_partitioning)
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ._compat import mlir, prim_requires_devices_during_lowering
+from ._options import Extras
+from .primitives import (attention_bwd_kernel_p, attention_bwd_p, attention_fwd_kernel_p,
+                         attention_fwd_p)
+
+_log = logging.getLogger("jax_flashattn")
+_FIELD = {name: i for i, name in enumerate(Extras._fields)}
+_NUM_EXTRAS = len(Extras._fields)
+_BWD_TENSORS = 7  # q, k, v, o, lse, do, dlse: the backward's operands before the extras
+
+
+# ---- What stays sharded ----------------------------------------------------------------------
+
+def _uses_positions(config, has_slopes) -> bool:
+    return (config.is_causal or config.window_left >= 0 or config.window_right >= 0
+            or has_slopes)
+
+
+def _query_offsets_supported(config, shapes) -> bool:
+    """Whether a device holding a block of the query sequence can compute it on its own with
+    the global positions (module docstring); `shapes` are the operands' shapes."""
+    if config.dropout_rate:
+        return False
+    extras = shapes[-_NUM_EXTRAS:]
+    if not _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0):
+        return True
+    if not (config.is_causal or config.window_right == 0):
+        return False
+    T, S = shapes[0][1], shapes[1][1]
+    return config.bottom_right or (len(extras[_FIELD["key_value_seq_lengths"]]) == 0 and T <= S)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Mesh axes along which a call stays sharded: batch, query sequence, heads."""
+    batch: tuple = ()
+    query: tuple = ()
+    heads: tuple = ()
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _dim_axes(sharding, ndim, dim) -> tuple:
+    spec = tuple(getattr(sharding, "spec", ())) + (None,) * ndim
+    return _axes(spec[dim])
+
+
+def _plan(config, mesh, shapes, q_sharding, k_sharding) -> _Plan:
+    K = shapes[1][2]
+    batch = _dim_axes(q_sharding, 4, 0)
+    query = _dim_axes(q_sharding, 4, 1) if _query_offsets_supported(config, shapes) else ()
+    heads = _dim_axes(q_sharding, 4, 2)
+    if config.dropout_rate or K % math.prod(mesh.shape[a] for a in heads):
+        heads = ()
+    if _dim_axes(k_sharding, 4, 1):
+        _warn_kv_sequence_gathered()
+    return _Plan(batch, query, heads)
+
+
+_warned = []
+
+
+def _warn_kv_sequence_gathered():
+    if not _warned:
+        _warned.append(True)
+        _log.warning(
+            "jax_flashattn: key/value are sharded along the sequence; the jitted attention "
+            "gathers them on every device. For sequences split over devices use "
+            "jax_flashattn.context_parallel_attention inside shard_map (ring or all-gather).")
+
+
+def _operand_specs(plan, shapes, backward):
+    """PartitionSpecs of every operand, in the primitive's order."""
+    (B, T, N, _), S = shapes[0], shapes[1][1]
+    b, t, n = _entry(plan.batch), _entry(plan.query), _entry(plan.heads)
+    q4, kv4, rows = P(b, t, n, None), P(b, None, n, None), P(b, t, n)
+    specs = [q4, kv4, kv4] + ([q4, rows, q4, rows] if backward else [])
+    extras = shapes[-_NUM_EXTRAS:]
+    for name, shape in zip(Extras._fields, extras):
+        if not shape:
+            specs.append(P())
+        elif name in ("bias", "mask"):
+            specs.append(P(b if shape[0] == B else None, n if shape[1] == N else None,
+                           t if shape[2] == T else None, None))
+        elif name in ("query_seq_lengths", "key_value_seq_lengths"):
+            specs.append(P(b))
+        elif name == "q_segment_ids":
+            specs.append(P(b, t))
+        elif name in ("kv_segment_ids", "dropout_seeds"):
+            specs.append(P(b, None))
+        else:  # alibi_slopes [1 or B, N]
+            specs.append(P(b if shape[0] == B else None, n))
+    return specs
+
+
+def _result_specs(plan, shapes, backward):
+    specs = _operand_specs(plan, shapes, backward)
+    if not backward:
+        return specs[0], P(*specs[0][:3])
+    bias_spec = specs[_BWD_TENSORS]
+    has_slopes = len(shapes[_BWD_TENSORS + _FIELD["alibi_slopes"]]) > 0
+    b, n = _entry(plan.batch), _entry(plan.heads)
+    return specs[0], specs[1], specs[2], bias_spec, P(b, n) if has_slopes else P()
+
+
+def _broadcast_axes(plan, shape, full):
+    """Mesh axes of the plan's (batch, heads, query) dims along which a [B|1, N|1, T|1, ...]
+    operand is broadcast: its gradient is a partial sum on each of their devices."""
+    axes = ()
+    for dim, plan_axes in ((0, plan.batch), (1, plan.heads), (2, plan.query)):
+        if shape[dim] != full[dim]:
+            axes += plan_axes
+    return axes
+
+
+# ---- Per-device computation ------------------------------------------------------------------
+
+def _outside_mesh(lower_fn):
+    """lower_fn traced outside the caller's mesh, since under `jax.set_mesh` with Explicit axes
+    its jnp ops would leave sharding annotations in the already partitioned program."""
+    @functools.wraps(lower_fn)
+    def traced(operands):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return lower_fn(operands)
+    return traced
+
+
+def _offset_queries(operands, config, query_axes, total_queries):
+    """The operands and config that make this device's queries sit at their global positions
+    (module docstring, 'Query offsets')."""
+    q, k = operands[0], operands[1]
+    B, T_local = q.shape[:2]
+    S = k.shape[1]
+    extras = list(operands[-_NUM_EXTRAS:])
+    q_lengths, kv_lengths = extras[_FIELD["query_seq_lengths"]], extras[_FIELD["key_value_seq_lengths"]]
+    start = jax.lax.axis_index(query_axes) * T_local
+    given_q = q_lengths.ndim != 0
+    Lq = jnp.clip(q_lengths, 0, total_queries) if given_q else jnp.full((B,), total_queries, jnp.int32)
+    local_q = jnp.clip(Lq - start, 0, T_local).astype(jnp.int32)
+    if not _uses_positions(config, extras[_FIELD["alibi_slopes"]].ndim != 0):
+        if given_q:
+            extras[_FIELD["query_seq_lengths"]] = local_q
+        return list(operands[:-_NUM_EXTRAS]) + extras, config
+    base = 0
+    if config.bottom_right:
+        Lk = jnp.clip(kv_lengths, 0, S) if kv_lengths.ndim != 0 else S
+        base = Lk - Lq
+    extras[_FIELD["query_seq_lengths"]] = local_q
+    extras[_FIELD["key_value_seq_lengths"]] = jnp.clip(base + start + local_q, 0, S).astype(jnp.int32)
+    config = dataclasses.replace(config, bottom_right=True)
+    return list(operands[:-_NUM_EXTRAS]) + extras, config
+
+
+def _forward_shard(plan, scale, config, implementation, total_queries):
+    @_outside_mesh
+    def lower_fn(operands):
+        operands, cfg = list(operands), config
+        if plan.query:
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries)
+        return tuple(attention_fwd_kernel_p.bind(*operands, scale=scale, config=cfg,
+                                                 implementation=implementation))
+    return lower_fn
+
+
+def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
+    B, T, N = shapes[0][:3]
+    bias_shape = shapes[_BWD_TENSORS]
+
+    @_outside_mesh
+    def lower_fn(operands):
+        operands, cfg = list(operands), config
+        if plan.query:
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries)
+        dq, dk, dv, dbias, dslopes = attention_bwd_kernel_p.bind(
+            *operands, scale=scale, config=cfg, implementation=implementation)
+        if plan.query:  # each query block holds a share of every key's gradient
+            dk, dv = jax.lax.psum((dk, dv), plan.query)
+            if dslopes.ndim:
+                dslopes = jax.lax.psum(dslopes, plan.query)
+        if bias_shape:
+            axes = _broadcast_axes(plan, bias_shape, (B, N, T))
+            if axes:
+                dbias = jax.lax.psum(dbias, axes)
+        return dq, dk, dv, dbias, dslopes
+    return lower_fn
+
+
+# ---- custom_partitioning callbacks -----------------------------------------------------------
+
+def _named(mesh, specs):
+    return tuple(NamedSharding(mesh, spec) for spec in specs)
+
+
+def _decide(config, mesh, arg_shapes):
+    operands = arg_shapes[0]
+    shapes = tuple(tuple(x.shape) for x in operands)
+    plan = _plan(config, mesh, shapes, operands[0].sharding, operands[1].sharding)
+    return plan, shapes
+
+
+def _infer(backward):
+    def infer_sharding_from_operands(shapes, scale, config, implementation, mesh, arg_shapes,
+                                     result_shape):
+        plan, shapes = _decide(config, mesh, arg_shapes)
+        return _named(mesh, _result_specs(plan, shapes, backward))
+    return infer_sharding_from_operands
+
+
+def _partition(backward):
+    def partition(shapes, scale, config, implementation, mesh, arg_shapes, result_shape):
+        plan, shapes = _decide(config, mesh, arg_shapes)
+        total_queries = shapes[0][1]
+        if backward:
+            lower_fn = _backward_shard(plan, scale, config, implementation, total_queries, shapes)
+        else:
+            lower_fn = _forward_shard(plan, scale, config, implementation, total_queries)
+        args = (_named(mesh, _operand_specs(plan, shapes, backward)),)
+        return mesh, lower_fn, _named(mesh, _result_specs(plan, shapes, backward)), args
+    return partition
+
+
+def _propagate_user_sharding(shapes, scale, config, implementation, mesh, user_shape):
+    return jax.tree.map(lambda x: x.sharding, user_shape)
+
+
+def _head_factors(N, K, mesh):
+    """The query heads' factor and the factor sizes it needs. Query head n uses K/V head n // G:
+    the compound (k g) lets Shardy carry a head sharding between queries and keys. Shardy splits
+    a mesh axis into sub-axes where a factor does not divide by it (which custom_partitioning
+    cannot express), so the compound is used only where K divides by every head sharding the
+    mesh allows; elsewhere query and K/V heads are separate factors and the partition callback
+    matches them."""
+    if N == K:
+        return "k", {}
+    if K % math.prod(getattr(mesh, "shape", {}).values()) == 0:
+        return CompoundFactor("k", "g"), {"g": N // K}
+    return "n", {}
+
+
+def _operand_factors(shapes, heads, backward, fresh):
+    """Each operand's factor names per dimension, in the primitive's order; a dimension of size 1
+    where the full size is larger (a broadcast axis) gets a factor of its own from fresh()."""
+    (B, T, N, _), (S, K) = shapes[0], shapes[1][1:3]
+
+    def dims(shape, names, full):
+        return tuple(name if size == f else fresh() for size, name, f in zip(shape, names, full))
+
+    mappings = [("b", "t", heads, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "d")]
+    if backward:  # o, lse, do, dlse
+        mappings += [("b", "t", heads, "d"), ("b", "t", heads), ("b", "t", heads, "d"), ("b", "t", heads)]
+    for name, shape in zip(Extras._fields, shapes[-_NUM_EXTRAS:]):
+        if not shape:  # placeholder of an absent operand
+            mappings.append(())
+        elif name in ("bias", "mask"):
+            mappings.append(dims(shape, ("b", heads, "t", "s"), (B, N, T, S)))
+        elif name in ("query_seq_lengths", "key_value_seq_lengths"):
+            mappings.append(("b",))
+        elif name == "q_segment_ids":
+            mappings.append(("b", "t"))
+        elif name == "kv_segment_ids":
+            mappings.append(("b", "s"))
+        elif name == "dropout_seeds":
+            mappings.append(("b", fresh()))
+        else:  # alibi_slopes [1 or B, N]
+            mappings.append(dims(shape, ("b", heads), (B, N)))
+    return mappings
+
+
+def _sdy_rule(backward):
+    """The Shardy rule: batch (b), query sequence (t) and heads pass through; head dims (h, d),
+    the key sequence (s) and broadcast axes stay whole, and so do the query sequence and the
+    heads where the call cannot keep them sharded (`_plan` makes the same choices)."""
+    def rule(shapes, scale, config, implementation, mesh, value_types, result_types):
+        heads, sizes = _head_factors(shapes[0][2], shapes[1][2], mesh)
+        whole = ["h", "d", "s", "g"]
+
+        def fresh():
+            whole.append(f"x{len(whole)}")
+            return whole[-1]
+
+        operands = _operand_factors(shapes, heads, backward, fresh)
+        if backward:  # dq, dk, dv, d(bias), d(slopes)
+            has_slopes = len(shapes[-_NUM_EXTRAS:][_FIELD["alibi_slopes"]]) > 0
+            results = operands[:3] + [operands[_BWD_TENSORS], ("b", heads) if has_slopes else ()]
+        else:  # o, lse
+            results = [("b", "t", heads, "d"), ("b", "t", heads)]
+        if not _query_offsets_supported(config, shapes):
+            whole.append("t")
+        if config.dropout_rate:
+            whole += ["n", "k"]
+        # Shardy wants the special factors in the order they first appear.
+        order = []
+        for mapping in operands + results:
+            for dim in mapping:
+                for factor in (dim if isinstance(dim, CompoundFactor) else (dim,)):
+                    if factor in whole and factor not in order:
+                        order.append(factor)
+        return SdyShardingRule(tuple(ArrayMapping(*m) for m in operands),
+                               tuple(ArrayMapping(*m) for m in results),
+                               need_replication_factors=tuple(order), **sizes)
+    return rule
+
+
+def _partitioned(backward):
+    kernel = attention_bwd_kernel_p if backward else attention_fwd_kernel_p
+
+    def per_device(shapes, scale, config, implementation, operands):
+        return tuple(kernel.bind(*operands, scale=scale, config=config,
+                                 implementation=implementation))
+
+    call = custom_partitioning(per_device, static_argnums=(0, 1, 2, 3))
+    call.def_partition(partition=_partition(backward),
+                       infer_sharding_from_operands=_infer(backward),
+                       propagate_user_sharding=_propagate_user_sharding,
+                       sharding_rule=_sdy_rule(backward))
+    return call
+
+
+def _lowering(backward):
+    call = _partitioned(backward)
+
+    def lower(*operands, scale, config, implementation):
+        shapes = tuple(tuple(x.shape) for x in operands)
+        return call(shapes, scale, config, implementation, tuple(operands))
+    return mlir.lower_fun(lower, multiple_results=True)
+
+
+for _prim, _backward in ((attention_fwd_p, False), (attention_bwd_p, True)):
+    mlir.register_lowering(_prim, _lowering(_backward))
+    prim_requires_devices_during_lowering.add(_prim)

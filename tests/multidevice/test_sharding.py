@@ -1,0 +1,300 @@
+"""Attention on sharded operands under jax.jit: values and gradients equal the unsharded call,
+outputs and gradients keep the operands' sharding, and the compiled program holds no collective
+for batch and head sharding, and for query-sequence sharding none in the forward and only the
+dK/dV reduction in the backward."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_flashattn as jfa
+from jax_flashattn import sharding as jfa_sharding
+from conftest import cpu_mesh
+from util import fresh_seed, random_qkv, rel_err
+
+COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
+
+
+def collectives(fn, *args):
+    """The kinds of collective in fn's compiled program for these (sharded) arguments."""
+    return sorted(set(COLLECTIVE.findall(jax.jit(fn).lower(*args).compile().as_text())))
+
+
+@contextlib.contextmanager
+def partitioner(shardy: bool):
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)
+
+
+def forward_and_grads(q, k, v, do, dlse, differentiable=(), **kw):
+    """(out, lse) and the gradients of <out, do> + <lse, dlse> for q, k, v and the keyword
+    arrays named in `differentiable` (bias, alibi_slopes)."""
+    names = tuple(differentiable)
+
+    def f(q, k, v, *extra):
+        return jfa.flash_attention(q, k, v, return_lse=True, **kw, **dict(zip(names, extra)))
+
+    outs, vjp = jax.vjp(f, q, k, v, *[kw.pop(name) for name in names])
+    return outs, vjp((do, dlse))
+
+
+def put(mesh, x, spec):
+    return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def inputs(seed, B, T, S, N, K, H):
+    q, k, v = random_qkv(seed, B, T, S, N, K, H)
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    return q, k, v, jax.random.normal(keys[0], q.shape), jax.random.normal(keys[1], q.shape[:3])
+
+
+def check_equal(sharded, unsharded, seed, bound=2e-6):
+    for i, (x, ref) in enumerate(zip(jax.tree.leaves(sharded), jax.tree.leaves(unsharded))):
+        x, ref = np.asarray(x), np.asarray(ref)
+        finite = np.isfinite(ref)
+        assert np.array_equal(np.isfinite(x), finite), f"seed {seed}: leaf {i} masks differ"
+        assert rel_err(np.where(finite, x, 0), np.where(finite, ref, 0)) <= bound, \
+            f"seed {seed}: leaf {i} error {rel_err(np.where(finite, x, 0), np.where(finite, ref, 0))}"
+
+
+LAYOUTS = {  # query spec; keys and values follow on batch and heads
+    "batch": P("x"),
+    "heads": P(None, None, "y"),
+    "batch+heads": P("x", None, "y"),
+}
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_batch_and_head_sharding_without_collectives(layout, is_causal, shardy):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, 4, 32, 48, 8, 4, 16)  # GQA: 2 query heads per K/V head
+    spec = LAYOUTS[layout]
+    args = [put(mesh, x, spec) for x in (q, k, v, do)] + [put(mesh, dlse, P(*spec[:3]))]
+
+    def f(*a):
+        return forward_and_grads(*a, is_causal=is_causal)
+
+    with partitioner(shardy):
+        assert collectives(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal),
+                           *args[:3]) == []
+        assert collectives(f, *args) == []
+        (out, lse), grads = jax.jit(f)(*args)
+    (r_out, r_lse), r_grads = jax.jit(f)(q, k, v, do, dlse)
+    check_equal((out, lse, grads), (r_out, r_lse, r_grads), seed)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    assert lse.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec[:3])), 3)
+    for g, x in zip(grads, args[:3]):
+        assert g.sharding.is_equivalent_to(x.sharding, 4)
+
+
+# Query-sequence sharding with K/V replicated: keywords whose positions each device offsets.
+OFFSET_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "causal-window-alibi": dict(is_causal=True, local_window_size=(5, 0), alibi_slopes="slopes"),
+    "bottom-right-lengths": dict(is_causal=True, causal_alignment="bottom_right",
+                                 query_seq_lengths="q_lengths", key_value_seq_lengths="kv_lengths"),
+    "top-left-q-lengths-segments": dict(is_causal=True, query_seq_lengths="q_lengths",
+                                        q_segment_ids="q_ids", kv_segment_ids="kv_ids"),
+    "right-less-window-softcap": dict(local_window_size=(7, 0), softcap=3.0),
+    "lengths-bias-mask": dict(query_seq_lengths="q_lengths", key_value_seq_lengths="kv_lengths",
+                              bias="bias", mask="mask"),
+}
+
+
+def keyword_arrays(seed, B, T, S, N):
+    rng = np.random.default_rng(seed)
+    return {
+        "slopes": jnp.asarray(rng.uniform(0.05, 0.5, (N,)), jnp.float32),
+        "q_lengths": jnp.asarray([T - 5, T // 2 + 3, T, 0][:B], jnp.int32),
+        "kv_lengths": jnp.asarray([S - 3, S // 2, S, 7][:B], jnp.int32),
+        "q_ids": jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32),
+        "kv_ids": jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32),
+        "bias": jnp.asarray(rng.normal(size=(1, N, T, S)), jnp.float32),
+        "mask": jnp.asarray(rng.random((B, 1, T, S)) < 0.8),
+    }
+
+
+QUERY_SHARDED_SPECS = {"q_ids": P(None, "y"), "bias": P(None, None, "y"), "mask": P(None, None, "y")}
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+def test_query_sequence_sharding_offsets_positions(case, shardy):
+    mesh = cpu_mesh((4,), ("y",))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 4, 32, 40, 4, 2, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    arrays = keyword_arrays(seed, B, T, S, N)
+    kw = {name: arrays[x] if isinstance(x, str) and x in arrays else x
+          for name, x in OFFSET_CASES[case].items()}
+    names = [name for name, x in OFFSET_CASES[case].items() if isinstance(x, str) and x in arrays]
+    sharded_kw = {name: put(mesh, kw[name], QUERY_SHARDED_SPECS.get(OFFSET_CASES[case][name], P()))
+                  for name in names}
+    differentiable = tuple(name for name in ("bias", "alibi_slopes") if name in kw)
+    args = [put(mesh, q, P(None, "y")), put(mesh, k, P()), put(mesh, v, P()),
+            put(mesh, do, P(None, "y")), put(mesh, dlse, P(None, "y"))]
+
+    def f(q, k, v, do, dlse, *values):
+        return forward_and_grads(q, k, v, do, dlse, differentiable,
+                                 **{**kw, **dict(zip(names, values))})
+
+    def forward(q, k, v, *values):
+        return jfa.flash_attention(q, k, v, return_lse=True, **{**kw, **dict(zip(names, values))})
+
+    values = [sharded_kw[name] for name in names]
+    with partitioner(shardy):
+        assert collectives(forward, *args[:3], *values) == []
+        assert collectives(f, *args, *values) == ["all-reduce"]  # dK/dV (and d(bias), d(slopes))
+        (out, lse), grads = jax.jit(f)(*args, *values)
+    (r_out, r_lse), r_grads = jax.jit(f)(q, k, v, do, dlse, *[kw[name] for name in names])
+    check_equal((out, lse, grads), (r_out, r_lse, r_grads), seed, bound=1e-5)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "y")), 4)
+    assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "y")), 4)
+
+
+def test_explicit_mesh_axes_keep_the_query_sequence_sharded():
+    # jax.make_mesh's default axis type; the per-device offsets are computed outside its context.
+    mesh = cpu_mesh((4,), ("y",), jax.sharding.AxisType.Explicit)
+    seed = fresh_seed()
+    B, T, S, N, K, H = 4, 32, 40, 4, 2, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    arrays = keyword_arrays(seed, B, T, S, N)
+    kw = dict(is_causal=True, causal_alignment="bottom_right", query_seq_lengths=arrays["q_lengths"],
+              alibi_slopes=arrays["slopes"])
+
+    def f(q, k, v, do, dlse, lengths, slopes):
+        return forward_and_grads(q, k, v, do, dlse, ("alibi_slopes",),
+                                 **dict(kw, query_seq_lengths=lengths, alibi_slopes=slopes))
+
+    rows = P(None, "y")
+    with jax.sharding.set_mesh(mesh):
+        args = [put(mesh, q, rows), put(mesh, k, P()), put(mesh, v, P()), put(mesh, do, rows),
+                put(mesh, dlse, rows), put(mesh, kw["query_seq_lengths"], P()),
+                put(mesh, kw["alibi_slopes"], P())]
+        assert collectives(f, *args) == ["all-reduce"]
+        sharded = jax.jit(f)(*args)
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, kw["query_seq_lengths"], kw["alibi_slopes"]),
+                seed, bound=1e-5)
+    assert sharded[0][0].sharding.is_equivalent_to(NamedSharding(mesh, rows), 4)
+
+
+FALLBACK_CASES = {  # query positions a device cannot offset: gathered, still exact
+    "two-sided-window": dict(local_window_size=(3, 4)),
+    "top-left-kv-lengths": dict(is_causal=True, key_value_seq_lengths="kv_lengths"),
+    "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(3)),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_CASES))
+def test_query_sequence_sharding_gathers_what_it_cannot_offset(case):
+    mesh = cpu_mesh((4,), ("y",))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 32, 32, 4, 4, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    arrays = keyword_arrays(seed, B, T, S, N)
+    kw = {name: arrays[x] if isinstance(x, str) else x for name, x in FALLBACK_CASES[case].items()}
+
+    def f(q, k, v, do, dlse):
+        return forward_and_grads(q, k, v, do, dlse, **kw)
+
+    sharded = jax.jit(f)(put(mesh, q, P(None, "y")), put(mesh, k, P()), put(mesh, v, P()),
+                         put(mesh, do, P(None, "y")), put(mesh, dlse, P(None, "y")))
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse), seed, bound=1e-5)
+
+
+def test_heads_that_do_not_split_by_group_are_gathered():
+    # 8 query heads over 2 K/V heads on 4 devices: whole groups cannot go to each device.
+    mesh = cpu_mesh((4,), ("y",))
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, 2, 16, 16, 8, 2, 16)
+
+    def f(q, k, v, do, dlse):
+        return forward_and_grads(q, k, v, do, dlse, is_causal=True)
+
+    spec = P(None, None, "y")
+    sharded = jax.jit(f)(put(mesh, q, spec), put(mesh, k, P()), put(mesh, v, P()),
+                         put(mesh, do, spec), put(mesh, dlse, spec))
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse), seed)
+
+
+def test_operands_broadcast_over_sharded_axes_sum_their_gradients():
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 4, 16, 24, 4, 4, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    rng = np.random.default_rng(seed)
+    bias = jnp.asarray(rng.normal(size=(1, 1, T, S)), jnp.float32)  # shared by batch and heads
+    slopes = jnp.asarray(rng.uniform(0.05, 0.5, (N,)), jnp.float32)
+
+    def f(q, k, v, do, dlse, bias, slopes):
+        return forward_and_grads(q, k, v, do, dlse, ("bias", "alibi_slopes"), bias=bias,
+                                 alibi_slopes=slopes, is_causal=True)
+
+    spec = P("x", None, "y")
+    args = [put(mesh, x, spec) for x in (q, k, v, do)] + [put(mesh, dlse, spec),
+                                                          put(mesh, bias, P()), put(mesh, slopes, P("y"))]
+    sharded = jax.jit(f)(*args)
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, bias, slopes), seed, bound=1e-5)
+
+
+def test_dropout_with_batch_sharding_keeps_global_coordinates():
+    mesh = cpu_mesh((4,), ("x",))
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, 4, 16, 16, 4, 4, 16)
+
+    def f(q, k, v, do, dlse):
+        return forward_and_grads(q, k, v, do, dlse, dropout_rate=0.25,
+                                 dropout_rng=jax.random.key(seed))
+
+    args = [put(mesh, x, P("x")) for x in (q, k, v, do, dlse)]
+    assert collectives(f, *args) == []
+    check_equal(jax.jit(f)(*args), jax.jit(f)(q, k, v, do, dlse), seed)
+
+
+def test_kv_sequence_sharding_gathers_and_warns_once(caplog, monkeypatch):
+    mesh = cpu_mesh((4,), ("y",))
+    monkeypatch.setattr(jfa_sharding, "_warned", [])
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, 2, 32, 32, 4, 2, 16)
+
+    def f(q, k, v, do, dlse):
+        return forward_and_grads(q, k, v, do, dlse, is_causal=True)
+
+    args = [put(mesh, x, P(None, "y")) for x in (q, k, v, do, dlse)]
+    with caplog.at_level(logging.WARNING, logger="jax_flashattn"):
+        sharded = jax.jit(f)(*args)
+    warnings = [r for r in caplog.records if "context_parallel_attention" in r.getMessage()]
+    assert len(warnings) == 1
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse), seed, bound=1e-5)
+
+
+def test_varlen_and_drop_in_keep_the_sharding():
+    mesh = cpu_mesh((4,), ("x",))
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, 4, 32, 32, 4, 2, 16)
+    out = jax.jit(lambda q, k, v: jfa.dot_product_attention(q, k, v, is_causal=True))(
+        *[put(mesh, x, P("x")) for x in (q, k, v)])
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 4)
+    check_equal(out, jfa.dot_product_attention(q, k, v, is_causal=True), seed)
+
+    # Packed self-attention runs as one batch row with segment ids: its rows shard as queries.
+    cu = jnp.asarray([0, 40, 90, 128], jnp.int32)
+    x = jax.random.normal(jax.random.key(seed), (128, 4, 16))
+    varlen = jax.jit(lambda x: jfa.varlen_attention(x, x, x, cu, None, max_seqlen_q=64,
+                                                    max_seqlen_k=64, is_causal=True))
+    check_equal(varlen(put(mesh, x, P("x"))), varlen(x), seed)
