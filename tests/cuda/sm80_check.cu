@@ -588,13 +588,9 @@ static void run_case(const Config& c, std::mt19937& rng) {
     if (!dsl.empty()) {
       e_ds = rel_err(dsl, ref.dslopes, &ma_ds, &fin_ds);
       // d(slope) = -sum dS·|pos - j| over a head: its terms cancel to about 1e-3 of the sum of their
-      // magnitudes (every feature at T = 1000: -56.6 against a sum of 69080), so small errors of dS
-      // read large in the relative test: with soft-capping, the kernels' tanhf (tanh.approx under
-      // --use_fast_math, relative error up to 2^-11) moves every logit by up to softcap · 5e-4,
-      // the same way for equal inputs (the likeliest cause: ALiBi cases without softcap never
-      // failed), and the error came to 4.8e-4 of the magnitudes (24 % relative;
-      // 1 sweep in 6 failed on it, and 2 of 32 repeats of that case). Such a value passes within
-      // 1e-3 of its terms' magnitudes with soft-capping, 2e-4 without, besides the relative test.
+      // magnitudes, so small errors of dS (soft-capping's tanh.approx moves every logit a little,
+      // the same way for equal inputs) read large in the relative test. Such a value also passes
+      // within 1e-3 of its terms' magnitudes with soft-capping, 2e-4 without.
       const double terms_tol = c.f.softcap > 0.f ? 1e-3 : 2e-4;
       bool within_terms = true;
       for (size_t i = 0; i < dsl.size(); ++i) {
