@@ -149,7 +149,10 @@ def test_masks_and_bias_match_jax_nn(names, is_causal):
     assert rel_err(out, xla(q, k, v, bias, is_causal=is_causal, **kw)) <= 1e-5, f"seed {seed}"
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
         if r is not None:
-            assert rel_err(g, r) <= 4e-5, f"seed {seed}: {name} {rel_err(g, r)}"
+            # Or within float32 round-off of an exact zero: rows that see one key (query length 1,
+            # causal) have dq = dk = 0 exactly in XLA, and P·(dP − D) rounds to ~1e-7 here.
+            err = float(jnp.max(jnp.abs(g - r)))
+            assert rel_err(g, r) <= 4e-5 or err <= 1e-5, f"seed {seed}: {name} {rel_err(g, r)}, max {err}"
 
 
 def test_our_keywords_give_flash_attentions_results():
