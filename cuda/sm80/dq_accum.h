@@ -10,11 +10,8 @@
 // How the adds are done (per architecture of the compiled code, so writer and reader agree):
 //   sm80+: kVec = 1, one coalesced scalar atomic (red.global.add.f32) per value.
 //   sm90+: kVec = 4, 16-byte vector atomics (red.global.add.v4.f32), a quarter of the instructions.
-// Measured on H200 (bf16, H128, T = S = 16k, backward TFLOP/s): row-major float2 atomics 255;
-// fragment-major scalar 260, float2 265, float4 275; float4 staged in smem and added with one bulk
-// reduction (cp.reduce.async.bulk) per tile 284, but with the rotated step order of bwd_kernel.h
-// float4 atomics reach 292 and the bulk variant 296 non-causal / 294 causal (atomics: 301), so
-// the simpler atomics stay.
+// With the rotated step order of bwd_kernel.h the float4 atomics add as fast as a bulk reduction
+// staged in smem (docs/performance.md, "Portable backward"), so the simpler atomics stay.
 #pragma once
 
 #include <cute/tensor.hpp>
