@@ -3,6 +3,6 @@
 
 namespace jfa::sm90 {
 
-template cudaError_t run_bwd_general<cutlass::bfloat16_t, 256>(const AttentionParams& p, cudaStream_t stream);
+template cudaError_t run_bwd_policies<cutlass::bfloat16_t, 256, kPolicyAll>(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace jfa::sm90

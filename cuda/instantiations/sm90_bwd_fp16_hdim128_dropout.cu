@@ -3,6 +3,6 @@
 
 namespace jfa::sm90 {
 
-template cudaError_t run_bwd_dropout<cutlass::half_t, 128>(const AttentionParams& p, cudaStream_t stream);
+template cudaError_t run_bwd_policies<cutlass::half_t, 128, kPolicyAll | kPolicyDropout>(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace jfa::sm90

@@ -40,7 +40,7 @@ __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, 
     for (int base = 0; base < n_block; base += 32) {
       bool adds = false;
       if (base + lane < n_block) {
-        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN>(p, batch, base + lane);
+        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, base + lane);
         adds = m_block >= r.x && m_block < r.y;
       }
       turn += __popc(__ballot_sync(0xffffffffu, adds));

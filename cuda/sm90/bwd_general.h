@@ -36,11 +36,12 @@ using namespace cute;
 
 // Query blocks [begin, end) that may see key block n_block: by position (jfa::query_range), then
 // narrowed to the queries that may share a segment id with its keys. Empty: (0, 0).
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, int batch, int n_block) {
   const int key0 = n_block * kBlockN;
-  const KeyRange r = segment_narrowed(query_range(p, sequence_bounds(p, batch), key0, kBlockN),
-                                      p.mask.kv_segment_chunks, batch, int(p.S), key0, kBlockN);
+  KeyRange r = query_range(p, sequence_bounds(p, batch), key0, kBlockN);
+  if constexpr ((kPolicies & kPolicySegments) != 0)
+    r = segment_narrowed(r, p.mask.kv_segment_chunks, batch, int(p.S), key0, kBlockN);
   if (r.end <= r.begin) return make_int2(0, 0);
   return make_int2(int(r.begin / kBlockM), int((r.end + kBlockM - 1) / kBlockM));
 }
@@ -54,16 +55,16 @@ struct BwdGeneralBlock {
   float keep_scale;                          // 1 / (1 − rate)
 };
 
-template <int kBlockN>
+template <int kBlockN, int kPolicies>
 __forceinline__ __device__ BwdGeneralBlock bwd_general_block(const AttentionParams& p, int batch, int n_block) {
-  BwdGeneralBlock b;
+  BwdGeneralBlock b{};
   b.bounds = sequence_bounds(p, batch);
   b.batch = batch;
   b.key0 = n_block * kBlockN;
-  b.kv_ids = segment_ids(p.mask.kv_segment_chunks, batch, int(p.S), b.key0, kBlockN);
-  b.k0 = b.k1 = b.stream_batch = b.threshold = 0;
+  if constexpr ((kPolicies & kPolicySegments) != 0)
+    b.kv_ids = segment_ids(p.mask.kv_segment_chunks, batch, int(p.S), b.key0, kBlockN);
   b.keep_scale = 1.f;
-  if (p.mask.has_dropout()) {
+  if constexpr ((kPolicies & kPolicyDropout) != 0) {
     const uint32_t* seed = p.mask.dropout_seeds + 3 * int64_t(batch);
     b.k0 = __ldg(seed);
     b.k1 = __ldg(seed + 1);
@@ -77,7 +78,7 @@ __forceinline__ __device__ BwdGeneralBlock bwd_general_block(const AttentionPara
 // The block of a CTA as the plain path needs it (batch and first key only), or the general path.
 template <int kPolicies, int kBlockN>
 __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, int batch, int n_block) {
-  if constexpr (kPolicies != 0) return bwd_general_block<kBlockN>(p, batch, n_block);
+  if constexpr (kPolicies != 0) return bwd_general_block<kBlockN, kPolicies>(p, batch, n_block);
   BwdGeneralBlock b{};
   b.batch = batch;
   b.key0 = n_block * kBlockN;
@@ -86,11 +87,13 @@ __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, i
 
 // Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
 // mask, or segment ids that may differ inside it).
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int m_block) {
   const int query0 = m_block * kBlockM;
-  return general_tile_partial(p, b.bounds, query0, kBlockM, b.key0, kBlockN) ||
-         segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
+  if (general_tile_partial(p, b.bounds, query0, kBlockM, b.key0, kBlockN)) return true;
+  if constexpr ((kPolicies & kPolicySegments) != 0)
+    return segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
+  return false;
 }
 
 // The dropout words of a thread's 2 x 2 elements at columns (c, c + 1) of its (rows, cols) view, in
@@ -144,12 +147,13 @@ struct BwdQuery {
   int lo, hi, seg, i;
 };
 
+template <bool kSegments>
 __forceinline__ __device__ BwdQuery bwd_query(const AttentionParams& p, const BwdGeneralBlock& b, int i) {
   const bool valid = i < b.bounds.q_len;
   BwdQuery q;
   q.lo = valid ? int(key_lo(p, b.bounds, i)) : 0;
   q.hi = valid ? int(key_hi(p, b.bounds, i)) : 0;
-  q.seg = valid && p.mask.q_segment_ids != nullptr ? p.mask.q_segment_ids[int64_t(b.batch) * p.T + i] : 0;
+  q.seg = kSegments && valid && p.mask.q_segment_ids != nullptr ? p.mask.q_segment_ids[int64_t(b.batch) * p.T + i] : 0;
   q.i = i;
   return q;
 }
@@ -161,13 +165,15 @@ __forceinline__ __device__ BwdQuery bwd_query(const AttentionParams& p, const Bw
 // full and take kPlain, as they would on the plain kernel.
 enum class BwdTilePass { kPlain, kModified, kGeneral };
 
-// The element pass (the header's comment) over a step's scores `s` (raw Q·Kᵀ, becomes P·z) and
+// The element pass (the header's comment) for the kernel of policy set kPolicies (mask.h: the
+// features it compiles code for; the call's pointers say which of them it uses) over a step's
+// scores `s` (raw Q·Kᵀ, becomes P·z) and
 // `dp` (becomes dS), (rows, cols) views with the coordinates `coords` of the same shape; lse_log2
 // and d: the step's row statistics per query (smem). kGeneral adds d(bias) into p.mask.dbias
 // (float32 atomics) and tests visibility where `partial`. keep: dropout's keep bits
 // (bwd_keep_bits; read with kDropout only). Returns this thread's share of
 // Σ d(logit)·|i + offset − j| (d(slope) is minus the sum; 0 on kPlain).
-template <BwdTilePass kPass, bool kDropout, bool kQueriesInColumns, typename Scores, typename Grads, typename Coords,
+template <BwdTilePass kPass, int kPolicies, bool kQueriesInColumns, typename Scores, typename Grads, typename Coords,
           typename Keep>
 __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords const& coords, const float* lse_log2,
                                                    const float* d, const AttentionParams& p, const BwdGeneralBlock& b,
@@ -176,20 +182,25 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   constexpr int kCols = decltype(size<1>(s))::value;
   static_assert(kCols % 2 == 0);
   constexpr bool kGeneral = kPass == BwdTilePass::kGeneral, kModified = kPass != BwdTilePass::kPlain;
+  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0, kScore = (kPolicies & kPolicyScore) != 0;
+  constexpr bool kAlibi = (kPolicies & kPolicyAlibi) != 0, kSegments = (kPolicies & kPolicySegments) != 0;
+  constexpr bool kBoolMask = (kPolicies & kPolicyBoolMask) != 0;
   const MaskParams& m = p.mask;
-  const bool softcap = kModified && m.softcap > 0.f;
+  const bool softcap = kScore && kModified && m.softcap > 0.f;
   const float softcap2 = m.softcap * kLog2eF, softcap_in = softcap ? p.scale_log2 / softcap2 : 0.f;
   // ALiBi's term in log2 units; d(slope) needs |i + offset − j| = |pos0 + query − key| per element.
-  const float slope_log2 = kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
+  const float slope_log2 =
+      kAlibi && kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
   const int pos0 = query0 + int(b.bounds.offset) - b.key0;
   // This (batch, head)'s planes of the boolean mask, the bias and d(bias) (null: none).
-  const uint8_t* mask = kGeneral && m.mask != nullptr
+  const uint8_t* mask = kBoolMask && kGeneral && m.mask != nullptr
                             ? m.mask + b.batch * m.mask_strides.batch + head * m.mask_strides.head : nullptr;
-  const float* bias = kGeneral && m.bias != nullptr
+  const float* bias = kScore && kGeneral && m.bias != nullptr
                           ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
-  float* dbias = kGeneral && m.dbias != nullptr
+  float* dbias = kScore && kGeneral && m.dbias != nullptr
                      ? m.dbias + b.batch * m.dbias_strides.batch + head * m.dbias_strides.head : nullptr;
-  const int32_t* kv_seg = kGeneral && m.q_segment_ids != nullptr ? m.kv_segment_ids + int64_t(b.batch) * p.S : nullptr;
+  const int32_t* kv_seg =
+      kSegments && kGeneral && m.q_segment_ids != nullptr ? m.kv_segment_ids + int64_t(b.batch) * p.S : nullptr;
   float slope_dot = 0.f;
   // The row statistics of the two queries at hand (columns c, c + 1, or rows 0, 1), read from smem
   // as needed: held for every query of the thread, they would spill the dK and dV accumulators.
@@ -202,16 +213,16 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   // columns, once where rows.
   BwdQuery row_queries[2];
   if (kGeneral && !kQueriesInColumns && partial) {
-    row_queries[0] = bwd_query(p, b, query0 + get<0>(coords(0, 0)));
-    row_queries[1] = bwd_query(p, b, query0 + get<0>(coords(1, 0)));
+    row_queries[0] = bwd_query<kSegments>(p, b, query0 + get<0>(coords(0, 0)));
+    row_queries[1] = bwd_query<kSegments>(p, b, query0 + get<0>(coords(1, 0)));
   }
   CUTE_UNROLL
   for (int c = 0; c < kCols; c += 2) {
     const float2 lse = stats_of(lse_log2, c), dsum = stats_of(d, c);
     BwdQuery col_queries[2];
     if (kGeneral && kQueriesInColumns && partial) {
-      col_queries[0] = bwd_query(p, b, query0 + get<1>(coords(0, c)));
-      col_queries[1] = bwd_query(p, b, query0 + get<1>(coords(0, c)) + 1);
+      col_queries[0] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)));
+      col_queries[1] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)) + 1);
     }
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) {
@@ -246,7 +257,7 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
           g = 1.f - t * t;
         }
         // jfa::additive_bias: ALiBi's −slope·|i + offset − j|, and the bias.
-        x = fmaf(-slope_log2, float(abs_dist), x);
+        if constexpr (kAlibi) x = fmaf(-slope_log2, float(abs_dist), x);
         if (bias != nullptr && visible_here)
           x = fmaf(bias[int64_t(i) * m.bias_strides.row + int64_t(j) * m.bias_strides.col], kLog2eF, x);
         prob = visible_here ? exp2f(x - lse_i) : 0.f;
@@ -255,13 +266,13 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
       float z = 1.f;
       if constexpr (kDropout) z = keep.kept(c, e) ? b.keep_scale : 0.f;
       const float dlogit = prob * (dp(r, cc) * z - dsum_i);
-      if constexpr (kGeneral) {
+      if constexpr (kGeneral && kScore) {
         if (dbias != nullptr && dlogit != 0.f)
           atomicAdd(dbias + int64_t(query0 + qk_query) * m.dbias_strides.row +
                         int64_t(b.key0 + qk_key) * m.dbias_strides.col,
                     dlogit);
       }
-      if constexpr (kModified) slope_dot = fmaf(dlogit, float(abs_dist), slope_dot);
+      if constexpr (kModified && kAlibi) slope_dot = fmaf(dlogit, float(abs_dist), slope_dot);
       s(r, cc) = prob * z;
       dp(r, cc) = dlogit * g;
     }
@@ -294,8 +305,9 @@ __forceinline__ __device__ void bwd_add_slope_dot(const AttentionParams& p, cons
 
 // A step's GEMMs S and dP and their element work (bwd_step_scores), on the plain path (kPolicies
 // == 0: P and dS with the top-left causal mask of kCausal, bwd_softmax.h) or on the general path
-// (every policy of the call, the kPolicyDropout bit compiling dropout in, with the step's keep
-// bits); the general path also leaves the step's d(slope) sums in slope_sums (bwd_stage_slope_dot).
+// (the features of policy set kPolicies, the kPolicyDropout bit compiling dropout in, with the
+// step's keep bits); with ALiBi it also leaves the step's d(slope) sums in slope_sums
+// (bwd_stage_slope_dot).
 template <typename Traits, bool kCausal, int kPolicies, bool kQueriesInColumns, typename Mma, typename Pipeline,
           typename State, typename AS, typename BS, typename ADP, typename BDP, typename Acc, typename Coords,
           typename Keep>
@@ -316,25 +328,29 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
         },
         [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
   } else {
-    const bool partial = bwd_general_partial<kBlockM, kBlockN>(p, block, m_block);
+    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, m_block);
     const MaskParams& m = p.mask;
-    constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
+    constexpr bool kScore = (kPolicies & kPolicyScore) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
     bwd_step_scores(
         mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP, [](auto&) {},
         [&](auto& scores, auto& grads) {
           float slope_dot = 0.f;
           auto pass = [&](auto kind) {
-            return bwd_tile_elements<decltype(kind)::value, kDropout, kQueriesInColumns>(
+            return bwd_tile_elements<decltype(kind)::value, kPolicies, kQueriesInColumns>(
                 scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep);
           };
           using Pass = BwdTilePass;
-          if (partial || m.bias != nullptr)
+          if (partial || (kScore && m.bias != nullptr)) {
             slope_dot = pass(std::integral_constant<Pass, Pass::kGeneral>{});
-          else if (m.softcap > 0.f || m.alibi_slopes != nullptr)
-            slope_dot = pass(std::integral_constant<Pass, Pass::kModified>{});
-          else
+          } else if constexpr (kScore || kAlibi) {
+            if (m.softcap > 0.f || m.alibi_slopes != nullptr)
+              slope_dot = pass(std::integral_constant<Pass, Pass::kModified>{});
+            else
+              pass(std::integral_constant<Pass, Pass::kPlain>{});
+          } else {
             pass(std::integral_constant<Pass, Pass::kPlain>{});
-          if (m.dslopes != nullptr) bwd_stage_slope_dot(slope_dot, slope_sums, int(threadIdx.x) - 128);
+          }
+          if (kAlibi && m.dslopes != nullptr) bwd_stage_slope_dot(slope_dot, slope_sums, int(threadIdx.x) - 128);
         });
   }
 }

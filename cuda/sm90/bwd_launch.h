@@ -1,8 +1,7 @@
 // Host side of the Hopper backward: three launches on the call's stream (no allocation, no
 // synchronization: CUDA-graph safe). Each instantiation file (cuda/generate_instantiations.py)
-// instantiates run_bwd for one (dtype, head dim), and the general path's run_bwd_general (every
-// mask and score modifier) and run_bwd_dropout (the same with dropout) in files of their own, so
-// that the three compile in parallel.
+// instantiates run_bwd for one (dtype, head dim), and the general path's run_bwd_policies for
+// each policy set (mask.h's kBwd*Set) in files of their own, so that they compile in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -81,8 +80,16 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
-  if (p.mask.has_dropout()) return run_bwd_dropout<Element, kHeadDim>(p, stream);
-  if (p.mask.active()) return run_bwd_general<Element, kHeadDim>(p, stream);
+  if (p.mask.active() || p.mask.has_dropout()) {
+    const int set = bwd_policy_set(p.mask);
+    switch (set) {
+      case kBwdPositionsSet: return run_bwd_policies<Element, kHeadDim, kBwdPositionsSet>(p, stream);
+      case kBwdAlibiSet: return run_bwd_policies<Element, kHeadDim, kBwdAlibiSet>(p, stream);
+      case kPolicyAll: return run_bwd_policies<Element, kHeadDim, kPolicyAll>(p, stream);
+      case kBwdDropoutPositionsSet: return run_bwd_policies<Element, kHeadDim, kBwdDropoutPositionsSet>(p, stream);
+      default: return run_bwd_policies<Element, kHeadDim, kPolicyAll | kPolicyDropout>(p, stream);
+    }
+  }
   return p.is_causal ? detail::launch_bwd<Traits, true, 0>(p, stream) : detail::launch_bwd<Traits, false, 0>(p, stream);
 }
 

@@ -116,7 +116,7 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage), tdVrdV);
     cutlass::arch::fence_view_async_shared();  // dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
-    if (kPolicies != 0 && p.attn.mask.dslopes != nullptr)  // each warpgroup's keys are one slot
+    if ((kPolicies & kPolicyAlibi) != 0 && p.attn.mask.dslopes != nullptr)  // each warpgroup's keys are one slot
       bwd_add_slope_dot<4>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0 + w * 64);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);  // dV has finished

@@ -102,7 +102,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage));
     cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
-    if (kPolicies != 0 && p.attn.mask.dslopes != nullptr)  // the block's 64 keys are one slot
+    if ((kPolicies & kPolicyAlibi) != 0 && p.attn.mask.dslopes != nullptr)  // the block's 64 keys are one slot
       bwd_add_slope_dot<8>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, stage), tdVrdV);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});

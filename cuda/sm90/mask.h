@@ -51,6 +51,27 @@ inline int policies_needed(const MaskParams& m) {
   return set;
 }
 
+// The Hopper backward's general-path kernels, besides kPolicyAll and kPolicyAll | kPolicyDropout:
+// positions and segment ids (windows, lengths, causal with either alignment, packed sequences);
+// positions and ALiBi; positions with dropout. The backward holds dK and dV in registers beside
+// the step's scores, so the code of each feature a kernel leaves out is registers the others keep
+// (ptxas spills: docs/performance.md). Soft-capping and the bias stay with the kernel of every
+// feature: with them, a set's registers are nearly those of that kernel.
+enum : int {
+  kBwdPositionsSet = kPolicyPositions | kPolicySegments,
+  kBwdAlibiSet = kPolicyPositions | kPolicyAlibi,
+  kBwdDropoutPositionsSet = kPolicyPositions | kPolicyDropout,
+};
+
+// The smallest of the backward's compiled sets that covers a call of the general path.
+inline int bwd_policy_set(const MaskParams& m) {
+  const int needed = policies_needed(m);
+  if (m.has_dropout()) return needed == kPolicyPositions ? kBwdDropoutPositionsSet : (kPolicyAll | kPolicyDropout);
+  if ((needed & ~kBwdPositionsSet) == 0) return kBwdPositionsSet;
+  if ((needed & ~kBwdAlibiSet) == 0) return kBwdAlibiSet;
+  return kPolicyAll;
+}
+
 // tanh on the MUFU unit (max relative error ~2^-11), as FlashAttention-3's soft-capping.
 __forceinline__ __device__ float fast_tanh(float x) {
   float y;

@@ -17,14 +17,13 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_dropout(const AttentionParams& p, cudaStream_t stream);
 
-// The backward (bwd_launch.h); it calls the general path's launchers (bwd_launch_general.h,
-// instantiated in files of their own) for calls with masks, score modifiers or dropout.
+// The backward (bwd_launch.h); for calls with masks, score modifiers or dropout it calls the
+// general path's launcher of the smallest policy set that covers the call (bwd_launch_general.h,
+// one set per instantiation file: mask.h's kBwd*Set).
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-cudaError_t run_bwd_general(const AttentionParams& p, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-cudaError_t run_bwd_dropout(const AttentionParams& p, cudaStream_t stream);
+template <typename Element, int kHeadDim, int kPolicies>
+cudaError_t run_bwd_policies(const AttentionParams& p, cudaStream_t stream);
 
 // Streaming multiprocessors of the current device (queried once per device).
 int num_sms();

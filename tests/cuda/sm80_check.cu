@@ -838,6 +838,7 @@ int main(int argc, char** argv) {
         for (bool causal : {false, true}) {
           cases.push_back({2, 255, 300, 4, 2, 128, causal, BF, true, 0, f});
           cases.push_back({2, 300, 130, 2, 1, 64, causal, FP, false, 8, f});
+          cases.push_back({2, 130, 200, 2, 1, 256, causal, BF, true, 0, f});  // the split-head layout
         }
       for (int H : {32, 96, 192, 256}) cases.push_back({2, 255, 300, 2, 1, H, true, BF, true, 0, all_features});
       cases.push_back({1, 1000, 1000, 2, 2, 128, true, BF, true, 0, all_features});
