@@ -12,6 +12,7 @@ from . import _jax_flashattn as _lib
 
 FORWARD_TARGET = "jfa_attention_fwd"
 BACKWARD_TARGET = "jfa_attention_bwd"
+PACK_MASK_TARGET = "jfa_pack_mask"
 
 
 @functools.cache

@@ -4,8 +4,9 @@ the shapes) and canonicalized into what the primitives take:
   * MaskConfig — the static part (causal, alignment, window, softcap, dropout rate,
     deterministic), a hashable primitive parameter;
   * Extras — the array operands, in the kernels' order, batched [B, ...]: bias (float32, rank 4,
-    broadcast axes kept at size 1), mask (bool, likewise), query/key lengths (int32 [B]), segment
-    ids (int32 [B, T], [B, S]), ALiBi slopes (float32 [1 or B, N]) and the dropout seeds
+    broadcast axes kept at size 1), mask (bool, likewise) or a PackedMask's bits and tiles (uint32
+    and uint8, rank 4, B and N kept at size 1 where broadcast), query/key lengths (int32 [B]),
+    segment ids (int32 [B, T], [B, S]), ALiBi slopes (float32 [1 or B, N]) and the dropout seeds
     (uint32 [B, 3]); None where absent.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dropout as _dropout
+from ._mask_packing import packed_shapes
+from .masks import PackedMask
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -52,6 +55,8 @@ class MaskConfig:
 class Extras(NamedTuple):
     bias: Optional[jax.Array] = None
     mask: Optional[jax.Array] = None
+    mask_bits: Optional[jax.Array] = None
+    mask_tiles: Optional[jax.Array] = None
     query_seq_lengths: Optional[jax.Array] = None
     key_value_seq_lengths: Optional[jax.Array] = None
     q_segment_ids: Optional[jax.Array] = None
@@ -76,13 +81,32 @@ def _bnts(x, name, B, N, T, S, is_mask):
     """bias/mask → rank 4, each axis 1 or full (numpy broadcasting, right-aligned)."""
     x = jnp.asarray(x)
     if is_mask and x.dtype != jnp.bool_:
-        raise TypeError(f"mask must be a boolean array (True = attend), got {x.dtype} {x.shape}")
+        raise TypeError(f"mask must be a boolean array (True = attend) or a jax_flashattn.PackedMask, "
+                        f"got {x.dtype} {x.shape}")
     if not is_mask and not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"bias must be a floating array, got {x.dtype} {x.shape}")
     full = (B, N, T, S)
     if x.ndim > 4 or any(d not in (1, f) for d, f in zip(x.shape[::-1], full[::-1])):
         raise ValueError(f"{name} of shape {x.shape} is not broadcastable to [B, N, T, S] = {full}")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _packed(mask, B, N, T, S):
+    """A PackedMask's (bits, tiles), rank 4 (lower ranks right-aligned), checked against the call."""
+    if (mask.q_len, mask.kv_len) != (T, S):
+        raise ValueError(f"mask: a PackedMask of T={mask.q_len}, S={mask.kv_len} does not match the "
+                         f"call's T={T} queries and S={S} keys")
+    bits, tiles = jnp.asarray(mask.bits), jnp.asarray(mask.tiles)
+    if (bits.dtype, tiles.dtype) != (jnp.uint32, jnp.uint8) or not 2 <= bits.ndim <= 4 or tiles.ndim != bits.ndim:
+        raise TypeError(f"mask: a PackedMask holds uint32 bits and uint8 tiles of one rank (2 to 4), got "
+                        f"{bits.dtype} {bits.shape} and {tiles.dtype} {tiles.shape}")
+    bits, tiles = (x.reshape((1,) * (4 - x.ndim) + x.shape) for x in (bits, tiles))
+    want = packed_shapes(bits.shape[:2], T, S)
+    if (bits.shape, tiles.shape) != want or bits.shape[0] not in (1, B) or bits.shape[1] not in (1, N):
+        raise ValueError(f"mask: a PackedMask's bits {bits.shape} and tiles {tiles.shape} must be "
+                         f"[B|1, N|1, T, ceil(S/128)*4] and [B|1, N|1, ceil(T/64), ceil(S/128)] with "
+                         f"[B, N, T, S] = {(B, N, T, S)}")
+    return bits, tiles
 
 
 def _per_batch(x, name, shape, unbatched, what):
@@ -145,7 +169,9 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
     if bias is not None:
         # float32 inside: the kernels read it as float32; its gradient is cast back to its dtype.
         ex["bias"] = _bnts(bias, "bias", B, N, T, S, False).astype(jnp.float32)
-    if mask is not None:
+    if isinstance(mask, PackedMask):
+        ex["mask_bits"], ex["mask_tiles"] = _packed(mask, B, N, T, S)
+    elif mask is not None:
         ex["mask"] = _bnts(mask, "mask", B, N, T, S, True)
     if query_seq_lengths is not None:
         ex["query_seq_lengths"] = _per_batch(query_seq_lengths, "query_seq_lengths", (B,), unbatched,

@@ -3,20 +3,25 @@
 Operands with no mapped axis (in_axes=None) are broadcast along the new axis first, so any mix
 of mapped and unmapped operands works; nested vmap folds one axis per level. The extra operands
 (_options.Extras) fold the same way, with two exceptions: rank-0 placeholders (absent operands)
-stay as they are, and a bias, mask or slope table shared by the batch (leading axis 1) stays
-shared when it is not mapped — except the bias of the backward pass, which is expanded so that
-d(bias) comes back per vmapped instance.
+stay as they are, and a bias, mask (boolean or packed) or slope table shared by the batch
+(leading axis 1) stays shared when it is not mapped — except the bias of the backward pass, which
+is expanded so that d(bias) comes back per vmapped instance.
+
+The pack-mask primitive packs each (batch, head) slice on its own: a vmapped axis folds into its
+leading axis and unfolds from its results.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from ._compat import batching, not_mapped
+from ._mask_packing import pack_mask_p
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
 # Extras whose leading axis may be 1 (shared by the batch) rather than B.
-_SHAREABLE = {Extras._fields.index(name) for name in ("bias", "mask", "alibi_slopes")}
+_SHAREABLE = {Extras._fields.index(name)
+              for name in ("bias", "mask", "mask_bits", "mask_tiles", "alibi_slopes")}
 
 
 def _fold(a, d, size, batch, shareable, keep_shared):
@@ -65,3 +70,13 @@ def _batch_rule(prim, num_tensors):
 
 batching.primitive_batchers[attention_fwd_p] = _batch_rule(attention_fwd_p, 3)
 batching.primitive_batchers[attention_bwd_p] = _batch_rule(attention_bwd_p, 7)
+
+
+def _pack_mask_rule(args, dims, *, q_len, kv_len):
+    mask = jnp.moveaxis(args[0], dims[0], 0)
+    size, lead = mask.shape[0], mask.shape[1]
+    outs = pack_mask_p.bind(mask.reshape((size * lead,) + mask.shape[2:]), q_len=q_len, kv_len=kv_len)
+    return [o.reshape((size, lead) + o.shape[1:]) for o in outs], [0, 0]
+
+
+batching.primitive_batchers[pack_mask_p] = _pack_mask_rule

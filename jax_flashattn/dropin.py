@@ -3,8 +3,9 @@
 Same names, order, shapes, dtypes and gradients as jax.nn. implementation='xla' or 'cudnn' hands
 the call to jax.nn unchanged (for A/B comparisons in one line); None, 'cpu' or 'cuda' run
 jax_flashattn. bias, mask, query_seq_lengths, key_value_seq_lengths and local_window_size have
-jax.nn's meaning; jax_flashattn's other keywords (causal_alignment, segment ids, softcap, ALiBi,
-dropout, deterministic) follow as extra keyword-only arguments with flash_attention's meaning.
+jax.nn's meaning (the mask boolean, as jax.nn requires, or a jax_flashattn.PackedMask);
+jax_flashattn's other keywords (causal_alignment, segment ids, softcap, ALiBi, dropout,
+deterministic) follow as extra keyword-only arguments with flash_attention's meaning.
 One deliberate difference: a query row with no key to attend to gives 0, where jax.nn averages
 all values (rows beyond query_seq_lengths are 0 in both).
 """
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from . import _options, _validate
 from .autodiff import attention
+from .masks import PackedMask
 
 # Captured at import so that the pass-through still reaches jax.nn when a program has swapped
 # jax.nn.dot_product_attention for this function.
@@ -74,7 +76,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     scale = _validate.check_scale(scale, H)
     # jax.nn's rank-4 requirement for bias and mask (after its own expansion of lower ranks).
     bias = None if bias is None else _ensure_4d(bias)
-    mask = None if mask is None else _ensure_4d(mask)
+    mask = mask if mask is None or isinstance(mask, PackedMask) else _ensure_4d(mask)
     config, extras = _options.canonicalize(
         q.shape, False, k_len=S, is_causal=bool(is_causal), bias=bias, mask=mask,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

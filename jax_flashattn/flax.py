@@ -12,15 +12,17 @@ too, but is_causal also skips the masked tiles). Other jax_flashattn keywords (s
 alibi_slopes, local_window_size, ...) can be bound the same way with functools.partial.
 
 Masks and biases of rank <= 4, broadcastable to [B, N, T, S], are passed to the kernels as they
-are. Dropout (dropout_rate > 0 and not deterministic) uses jax_flashattn's Philox stream keyed
-by Flax's dropout_rng: the same rate and scaling as Flax, a different random mask, drawn per
-(batch, head) whatever broadcast_dropout says.
+are. Masks may have any dtype, as in Flax's own attention (nonzero = attend: `make_causal_mask`
+gives float32), or be a jax_flashattn.PackedMask. Dropout (dropout_rate > 0 and not
+deterministic) uses jax_flashattn's Philox stream keyed by Flax's dropout_rng: the same rate and
+scaling as Flax, a different random mask, drawn per (batch, head) whatever broadcast_dropout says.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from .attention import flash_attention
+from .masks import PackedMask
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -34,6 +36,9 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     del broadcast_dropout, precision, module
     ours = {name: value for name, value in keywords.items()
             if name in _FLASH_KEYWORDS}
+    if mask is not None and not isinstance(mask, PackedMask):
+        mask = jnp.asarray(mask)
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))

@@ -3,10 +3,10 @@
 Two primitives, both in the public layout (q BTNH, k BSKH, v BSKHv, lse BTN float32):
   attention_fwd_p(q, k, v, *extras)                        -> (o, lse)
   attention_bwd_p(q, k, v, o, lse, do, dlse, *extras)      -> (dq, dk, dv, dbias, dslopes)
-extras are the eight operands of _options.Extras in order (bias, mask, lengths, segment ids,
-ALiBi slopes, dropout seeds), each a rank-0 placeholder where absent; dbias is float32 in the
-bias's shape, dslopes float32 [B, N] (per batch element, also for slopes shared by the batch),
-each a rank-0 placeholder without its operand. Parameters: scale (float), config (_options.MaskConfig),
+extras are the operands of _options.Extras in order (bias, a boolean mask or a PackedMask's bits
+and tiles, lengths, segment ids, ALiBi slopes, dropout seeds), each a rank-0 placeholder where
+absent; dbias is float32 in the bias's shape, dslopes float32 [B, N] (per batch element, also for
+slopes shared by the batch), each a rank-0 placeholder without its operand. Parameters: scale (float), config (_options.MaskConfig),
 implementation (None, 'cpu' or 'cuda'). Inputs are validated by the public functions first.
 
 Each primitive has a per-device twin (attention_fwd_kernel_p, attention_bwd_kernel_p) with the
@@ -23,8 +23,10 @@ import jax.numpy as jnp
 
 from . import _ext
 from ._compat import Primitive, apply_primitive, mlir, varying_axes
+from ._mask_packing import lower_packing
 from ._options import Extras
 from ._segment_chunks import segment_chunks
+from .masks import unpack_bits
 
 attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -106,16 +108,32 @@ def _require(platform: str, implementation):
 
 # ---- CPU -----------------------------------------------------------------------------------------
 
-# The CPU handlers take every extra operand (rank-0 placeholders included) and config's attributes;
-# the CUDA handlers take the same ones in the same order, then the segment-id summaries
+# The CPU handlers take every extra operand but the boolean mask (rank-0 placeholders included) and
+# config's attributes: their kernels read masks bit-packed, so a boolean mask is packed here, by the
+# pack-mask kernel, into the bits and tiles a PackedMask would bring. The CUDA handlers take every
+# extra operand but the bits and tiles, in the same order, then the segment-id summaries
 # (_segment_chunks.py), plus their workspace results.
+
+_NUM_EXTRAS = len(Extras._fields)
+_CPU_EXTRAS = tuple(name for name in Extras._fields if name != "mask")
+_CUDA_EXTRAS = tuple(name for name in Extras._fields if name not in ("mask_bits", "mask_tiles"))
+
 
 def _cpu_lowering(target):
     lowered = jax.ffi.ffi_lowering(target)
 
     def rule(ctx, *args, scale, config, implementation):
         _require("cpu", implementation)
-        return lowered(ctx, *args, **_mask_ffi_attrs(scale, config))
+        tensors = len(args) - _NUM_EXTRAS
+        extras = dict(zip(Extras._fields, zip(args[tensors:], ctx.avals_in[tensors:])))
+        mask, mask_aval = extras["mask"]
+        if mask_aval.ndim:
+            T, S = ctx.avals_in[0].shape[1], ctx.avals_in[1].shape[1]
+            values, avals = lower_packing(ctx, mask, mask_aval, T, S)
+            extras["mask_bits"], extras["mask_tiles"] = zip(values, avals)
+        operands, avals_in = zip(*(list(zip(args[:tensors], ctx.avals_in[:tensors])) +
+                                   [extras[name] for name in _CPU_EXTRAS]))
+        return lowered(ctx.replace(avals_in=avals_in), *operands, **_mask_ffi_attrs(scale, config))
     return rule
 
 
@@ -168,6 +186,15 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _cuda_extras(extras, kv_len):
+    """The CUDA handlers' extra operands: a PackedMask unpacked to the boolean mask the GPU kernels
+    read (MaskParams::mask, one byte per element), keeping its broadcast B and N axes."""
+    extras = dict(zip(Extras._fields, extras))
+    if extras["mask_bits"].ndim:
+        extras["mask"] = unpack_bits(extras["mask_bits"], kv_len)
+    return [extras[name] for name in _CUDA_EXTRAS]
+
+
 def _segment_operands(extras):
     """The segment-id summaries the CUDA handlers take after the extras (placeholders without)."""
     q_ids, kv_ids = extras[Extras._fields.index("q_segment_ids")], extras[Extras._fields.index("kv_segment_ids")]
@@ -184,8 +211,8 @@ def _cuda_forward(q, k, v, *extras, scale, config):
         _ext.FORWARD_TARGET,
         (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32),
          jax.ShapeDtypeStruct((1,), jnp.int32)),
-    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *extras, *_segment_operands(extras),
-      **_mask_ffi_attrs(scale, config))
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *_cuda_extras(extras, k.shape[1]),
+      *_segment_operands(extras), **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse
 
 
@@ -210,8 +237,9 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
                jax.ShapeDtypeStruct((2, B, N, _dq_accum_rows(T)), jnp.float32),
                jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
     dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, *extras, *_segment_operands(extras),
-        **_mask_ffi_attrs(scale, config), deterministic=np.int32(config.deterministic))
+        *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, k.shape[1]),
+        *_segment_operands(extras), **_mask_ffi_attrs(scale, config),
+        deterministic=np.int32(config.deterministic))
     if dbias.shape != extras[0].shape:  # full-shape d(bias): sum the bias's broadcast axes here
         broadcast = tuple(a for a in range(4) if extras[0].shape[a] == 1 and dbias.shape[a] != 1)
         dbias = jnp.sum(dbias, axis=broadcast, keepdims=True)

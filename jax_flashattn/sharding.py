@@ -14,7 +14,12 @@ What each call keeps sharded, decided from the query's sharding:
     that points to `context_parallel_attention`, which never gathers them.
 Masks, biases, segment ids, lengths, slopes and dropout seeds are split along the axes they
 share with the query; an operand broadcast over a sharded axis (size 1 there) is replicated
-along it, and its gradient summed over that axis's devices.
+along it, and its gradient summed over that axis's devices. A PackedMask's bits and tiles split
+along batch and heads only: its tile summaries cover 64 rows of the whole query sequence, so a
+call with one keeps the query sequence whole.
+
+The pack-mask primitive (jax_flashattn.pack_mask) is partitioned the same way: each device packs
+its batch and head slices of the mask, with no collective; T and S stay whole.
 
 Query offsets. With bottom-right alignment the kernels place query i at key position
 i + kv_len - q_len (valid lengths per batch element). A device holding queries [o, o + T_local)
@@ -40,6 +45,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._compat import mlir, prim_requires_devices_during_lowering
+from ._mask_packing import pack_mask_kernel_p, pack_mask_p
 from ._options import Extras
 from .primitives import (attention_bwd_kernel_p, attention_bwd_p, attention_fwd_kernel_p,
                          attention_fwd_p)
@@ -60,9 +66,9 @@ def _uses_positions(config, has_slopes) -> bool:
 def _query_offsets_supported(config, shapes) -> bool:
     """Whether a device holding a block of the query sequence can compute it on its own with
     the global positions (module docstring); `shapes` are the operands' shapes."""
-    if config.dropout_rate:
-        return False
     extras = shapes[-_NUM_EXTRAS:]
+    if config.dropout_rate or extras[_FIELD["mask_bits"]]:
+        return False
     if not _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0):
         return True
     if not (config.is_causal or config.window_right == 0):
@@ -131,6 +137,8 @@ def _operand_specs(plan, shapes, backward):
         elif name in ("bias", "mask"):
             specs.append(P(b if shape[0] == B else None, n if shape[1] == N else None,
                            t if shape[2] == T else None, None))
+        elif name in ("mask_bits", "mask_tiles"):
+            specs.append(P(b if shape[0] == B else None, n if shape[1] == N else None, None, None))
         elif name in ("query_seq_lengths", "key_value_seq_lengths"):
             specs.append(P(b))
         elif name == "q_segment_ids":
@@ -268,8 +276,10 @@ def _partition(backward):
     return partition
 
 
-def _propagate_user_sharding(shapes, scale, config, implementation, mesh, user_shape):
-    return jax.tree.map(lambda x: x.sharding, user_shape)
+def _propagate_user_sharding(*args):
+    """The results keep the shardings the user gave them (the last argument, after the static
+    arguments and the mesh)."""
+    return jax.tree.map(lambda x: x.sharding, args[-1])
 
 
 def _head_factors(N, K, mesh):
@@ -302,6 +312,10 @@ def _operand_factors(shapes, heads, backward, fresh):
             mappings.append(())
         elif name in ("bias", "mask"):
             mappings.append(dims(shape, ("b", heads, "t", "s"), (B, N, T, S)))
+        elif name == "mask_bits":  # [B|1, N|1, T, words]
+            mappings.append(dims(shape[:2], ("b", heads), (B, N)) + ("t", fresh()))
+        elif name == "mask_tiles":  # [B|1, N|1, row blocks, chunks]
+            mappings.append(dims(shape[:2], ("b", heads), (B, N)) + (fresh(), fresh()))
         elif name in ("query_seq_lengths", "key_value_seq_lengths"):
             mappings.append(("b",))
         elif name == "q_segment_ids":
@@ -377,3 +391,45 @@ def _lowering(backward):
 for _prim, _backward in ((attention_fwd_p, False), (attention_bwd_p, True)):
     mlir.register_lowering(_prim, _lowering(_backward))
     prim_requires_devices_during_lowering.add(_prim)
+
+
+# ---- The pack-mask primitive -----------------------------------------------------------------
+
+def _pack_spec(sharding):
+    """The mask's batch and head sharding, T and S whole: how the mask, bits and tiles are split."""
+    spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+    return P(spec[0], spec[1], None, None)
+
+
+def _pack_infer(q_len, kv_len, mesh, arg_shapes, result_shape):
+    return _named(mesh, [_pack_spec(arg_shapes[0].sharding)] * 2)
+
+
+def _pack_per_device(q_len, kv_len, mask):
+    return tuple(pack_mask_kernel_p.bind(mask, q_len=q_len, kv_len=kv_len))
+
+
+def _pack_partition(q_len, kv_len, mesh, arg_shapes, result_shape):
+    spec = _pack_spec(arg_shapes[0].sharding)
+    lower_fn = _outside_mesh(functools.partial(_pack_per_device, q_len, kv_len))
+    return mesh, lower_fn, _named(mesh, [spec] * 2), _named(mesh, [spec])
+
+
+def _pack_sdy_rule(q_len, kv_len, mesh, value_types, result_types):
+    return SdyShardingRule((ArrayMapping("b", "n", "t", "s"),),
+                           (ArrayMapping("b", "n", "r", "w"), ArrayMapping("b", "n", "u", "c")),
+                           need_replication_factors=("t", "s", "r", "w", "u", "c"))
+
+
+def _pack_lowering():
+    call = custom_partitioning(_pack_per_device, static_argnums=(0, 1))
+    call.def_partition(partition=_pack_partition, infer_sharding_from_operands=_pack_infer,
+                       propagate_user_sharding=_propagate_user_sharding, sharding_rule=_pack_sdy_rule)
+
+    def lower(mask, *, q_len, kv_len):
+        return call(q_len, kv_len, mask)
+    return mlir.lower_fun(lower, multiple_results=True)
+
+
+mlir.register_lowering(pack_mask_p, _pack_lowering())
+prim_requires_devices_during_lowering.add(pack_mask_p)

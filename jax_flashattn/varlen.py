@@ -137,7 +137,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k=None, *, max_
       **keywords: flash_attention's keywords (scale, is_causal, causal_alignment,
         local_window_size, softcap, alibi_slopes [N] or [num_seqs, N], dropout_rate,
         dropout_rng, deterministic, implementation; bias and mask broadcastable to
-        [num_seqs, N, max_seqlen_q, max_seqlen_k]). The sequence lengths come from cu_seqlens;
+        [num_seqs, N, max_seqlen_q, max_seqlen_k], the mask boolean or a PackedMask of
+        T = max_seqlen_q, S = max_seqlen_k). The sequence lengths come from cu_seqlens;
         query_seq_lengths, key_value_seq_lengths and segment ids are not taken.
 
     Returns:

@@ -362,6 +362,50 @@ def test_boolean_mask_on_gpu(axes):
     compare_with_reference(seed, GPU_MASK_SHAPES["big"], dict(mask=mask), dtype=BF16)
 
 
+# Bit-packed masks: pack_mask's CUDA kernels against the NumPy model of the layout, and attention
+# with a PackedMask against the reference from its boolean mask. The GPU kernels still read one
+# byte per element, so the lowering unpacks a PackedMask to that boolean mask (its broadcast B and
+# N axes kept); tests/test_packed_mask.py covers the CPU kernels, which read the bits.
+
+from test_packed_mask import (CASES as PACKED_CASES, case_mask, numpy_bits, numpy_tiles,  # noqa: E402
+                              tile_pattern_mask)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 130, 300), (1, 2, 200, 1000), (1, 1, 64, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pack_mask_kernel_on_gpu(shape):
+    seed = fresh_seed()
+    mask = tile_pattern_mask(seed, shape)
+    packed = jax.jit(jfa.pack_mask)(jnp.asarray(mask))
+    assert {d.platform for d in packed.bits.devices()} == {"gpu"}
+    np.testing.assert_array_equal(np.asarray(packed.bits), numpy_bits(mask), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(packed.tiles), numpy_tiles(mask), err_msg=f"seed {seed}")
+    mapped = jax.vmap(jfa.pack_mask)(jnp.asarray(mask.reshape((-1,) + shape[2:])))
+    np.testing.assert_array_equal(np.asarray(mapped.bits).reshape(packed.bits.shape), np.asarray(packed.bits))
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_packed_mask_on_gpu(case):
+    seed = fresh_seed()
+    B, T, S, N, K, H = GPU_MASK_SHAPES["big"]
+    mask = case_mask(case, seed, B, T, S, N)
+    compare_with_reference(seed, GPU_MASK_SHAPES["big"], dict(mask=jfa.pack_mask(mask)),
+                           ref_kw=dict(mask=mask), dtype=BF16)
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_block_mask_with_other_keywords_on_gpu(H):
+    seed = fresh_seed()
+    shape = (2, 300, 520, 4, 2, H)
+    B, T, S, N, K, H = shape
+    blocks = np.random.default_rng(seed).random((B, N, 3, 5)) < 0.5
+    packed = jfa.block_mask(blocks, (100, 120), q_len=T, kv_len=S)
+    kw = combo_keywords(("causal_window", "segments", "softcap"), seed, B, T, S, N)
+    bias = jax.random.normal(jax.random.key(seed + 5), (1, N, T, S))
+    compare_with_reference(seed, shape, dict(kw, mask=packed), ref_kw=dict(kw, mask=packed.unpack()),
+                           dtype=BF16, bias=bias)
+
+
 def test_everything_at_once_on_gpu():
     check_everything_at_once(fresh_seed(), (2, 170, 190, 4, 2, 64), window_left=90, kv_len1=131, dtype=BF16)
 

@@ -1,7 +1,8 @@
 """Constants that the Python lowering and the CUDA kernels must agree on (workspace shapes, the
-segment summaries' chunk): the lowering sizes buffers the kernels index, so a change on one side
-alone would make the FFI refuse every call (or, for the chunk, skip the wrong tiles). Read from
-cuda/include/jfa/params.h, on the CPU, so that CI catches the drift without a GPU."""
+segment summaries' chunk, the packed mask's chunks and tiles): the lowering sizes buffers the
+kernels index, so a change on one side alone would make the FFI refuse every call (or, for the
+chunks, skip the wrong tiles). Read from cuda/include/jfa/params.h and packed_mask.h, on the CPU,
+so that CI catches the drift without a GPU."""
 from __future__ import annotations
 
 import pathlib
@@ -9,18 +10,19 @@ import re
 
 import pytest
 
-from jax_flashattn import primitives
+from jax_flashattn import _mask_packing, masks, primitives
 from jax_flashattn._options import MaskConfig
 from jax_flashattn._segment_chunks import CHUNK
 
-PARAMS_H = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "include" / "jfa" / "params.h"
+HEADERS = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "include" / "jfa"
 
 
-def _cpp_constant(name):
-    if not PARAMS_H.exists():
+def _cpp_constant(name, header="params.h"):
+    path = HEADERS / header
+    if not path.exists():
         pytest.skip("the CUDA sources are not next to the tests (an installed package)")
-    match = re.search(rf"inline constexpr int(?:64_t)? {name} = (\d+);", PARAMS_H.read_text())
-    assert match, f"{name} not found in {PARAMS_H}"
+    match = re.search(rf"inline constexpr int(?:64_t)? {name} = (\d+);", path.read_text())
+    assert match, f"{name} not found in {path}"
     return int(match.group(1))
 
 
@@ -40,3 +42,13 @@ def test_dq_lanes_follow_params_h():
 
 def test_segment_chunk_follows_params_h():
     assert CHUNK == _cpp_constant("kSegmentChunk")
+
+
+def test_packed_mask_layout_follows_packed_mask_h():
+    assert _mask_packing.CHUNK_KEYS == _cpp_constant("kMaskChunkKeys", "packed_mask.h")
+    assert _mask_packing.CHUNK_WORDS == _cpp_constant("kMaskChunkWords", "packed_mask.h")
+    assert _mask_packing.TILE_ROWS == _cpp_constant("kMaskTileRows", "packed_mask.h")
+    kinds = re.search(r"enum class MaskTileKind : uint8_t \{ kEmpty = (\d), kPartial = (\d), kFull = (\d) \}",
+                      (HEADERS / "packed_mask.h").read_text())
+    assert kinds, "MaskTileKind not found in packed_mask.h"
+    assert tuple(map(int, kinds.groups())) == (masks.EMPTY_TILE, masks.PARTIAL_TILE, masks.FULL_TILE)

@@ -154,17 +154,22 @@ def test_dropin_checks_our_keywords_too():
 
 def test_kernel_checks_operands_again():
     """What reaches the C++ handler is checked there too: an ffi::Error, not a crash."""
-    from jax_flashattn._options import MaskConfig
+    from jax_flashattn._options import Extras, MaskConfig
     from jax_flashattn.primitives import attention_fwd_p
     q, k, v = _qkv()
-    none = jnp.zeros((), jnp.int32)
-    bad_lengths = jnp.array([1, 2, 3], jnp.int32)
+    none = {name: jnp.zeros((), jnp.int32) for name in Extras._fields}
+    bad_lengths = dict(none, query_seq_lengths=jnp.array([1, 2, 3], jnp.int32))
     with pytest.raises(Exception, match="query_seq_lengths"):
-        attention_fwd_p.bind(q, k, v, none, none, bad_lengths, none, none, none, none, none,
-                             scale=0.25, config=MaskConfig(), implementation=None)
+        attention_fwd_p.bind(q, k, v, *bad_lengths.values(), scale=0.25, config=MaskConfig(),
+                             implementation=None)
     with pytest.raises(Exception, match="dropout"):
-        attention_fwd_p.bind(q, k, v, *[none] * 8, scale=0.25,
+        attention_fwd_p.bind(q, k, v, *none.values(), scale=0.25,
                              config=MaskConfig(dropout_rate=0.5), implementation=None)
+    bad_tiles = dict(none, mask_bits=jnp.zeros((1, 1, 8, 4), jnp.uint32),
+                     mask_tiles=jnp.zeros((1, 1, 2, 1), jnp.uint8))
+    with pytest.raises(Exception, match=r"packed mask tiles.*\(1, 1, 1, 1\).*got \(1, 1, 2, 1\)"):
+        attention_fwd_p.bind(q, k, v, *bad_tiles.values(), scale=0.25, config=MaskConfig(),
+                             implementation=None)
 
 
 @pytest.mark.parametrize("kw", [

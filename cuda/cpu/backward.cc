@@ -40,7 +40,7 @@ struct KeyBlockScratch {
   std::vector<float> lse2, d;    // [kBr]
 };
 
-void key_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t kv_head, int64_t j0,
+void key_block_item(const CpuAttentionParams& p, const RowStats& stats, int64_t b, int64_t kv_head, int64_t j0,
                     KeyBlockScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv);
   const int Hp = round_up_columns(H), Hvp = round_up_columns(Hv);
@@ -59,14 +59,14 @@ void key_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, 
     for (int64_t i0 = 0; i0 < p.T; i0 += kBr) {
       const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
       const TileCoords tile{b, n, i0, rows, j0, keys};
-      const TileKind kind = tile_kind(p, bounds, tile);
-      if (kind == TileKind::kSkip) continue;
+      const TileMasks masks = tile_masks(p, bounds, tile);
+      if (masks.kind == TileKind::kSkip) continue;
       const FloatRows qb = rows_as_float(q, i0, rows, H, Hp, w.q.data());
       const FloatRows db = rows_as_float(dout, i0, rows, Hv, Hvp, w.dout.data());
       load_stats(stats, b, n, p.N, i0, rows, w.lse2.data(), w.d.data());
 
       gemm(rows, kBc, H, qb.data, qb.ld, w.kt.data(), kBc, w.s.data(), kBc, false);  // S (log2 units)
-      prepare_scores(p, bounds, tile, kind, w.s.data(), kBc, /*transposed=*/false,
+      prepare_scores(p, bounds, tile, masks, w.s.data(), kBc, /*transposed=*/false,
                      softcap ? w.sg.data() : nullptr);
       exp2_minus_row(w.s.data(), rows, kBc, kBc, w.lse2.data());                      // P
       const float* pv = w.s.data();
@@ -119,7 +119,7 @@ double alibi_distance_dot(const float* dst, int keys, int rows, int64_t pos0, in
 }
 
 // dQ of one query block; returns its share of -d(loss)/d(slope) with ALiBi (else 0).
-double query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
+double query_block_item(const CpuAttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
                         QueryBlockScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv), Hp = round_up_columns(H);
   const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
@@ -139,13 +139,13 @@ double query_block_item(const AttentionParams& p, const RowStats& stats, int64_t
   for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
     const TileCoords tile{b, n, i0, rows, j0, keys};
-    const TileKind kind = tile_kind(p, bounds, tile);
-    if (kind == TileKind::kSkip) continue;
+    const TileMasks masks = tile_masks(p, bounds, tile);
+    if (masks.kind == TileKind::kSkip) continue;
     const FloatRows kb = rows_as_float(k, j0, keys, H, Hp, w.k.data());
     const FloatRows vb = rows_as_float(v, j0, keys, Hv, Hv, w.v.data());
 
     gemm(keys, kBr, H, kb.data, kb.ld, w.qt.data(), kBr, w.st.data(), kBr, false);  // Sᵀ
-    prepare_scores(p, bounds, tile, kind, w.st.data(), kBr, /*transposed=*/true,
+    prepare_scores(p, bounds, tile, masks, w.st.data(), kBr, /*transposed=*/true,
                    softcap ? w.sgt.data() : nullptr);
     exp2_minus_col(w.st.data(), keys, kBr, kBr, w.lse2.data());                      // Pᵀ
     gemm(keys, kBr, Hv, vb.data, vb.ld, w.doutt.data(), kBr, w.dpt.data(), kBr, false);  // dPᵀ
@@ -161,7 +161,7 @@ double query_block_item(const AttentionParams& p, const RowStats& stats, int64_t
 
 }  // namespace
 
-void backward(const AttentionParams& p) {
+void backward(const CpuAttentionParams& p) {
   if (p.B == 0 || p.N == 0) return;
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv);
   const RowStats stats = row_stats(p);

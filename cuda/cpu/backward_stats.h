@@ -5,12 +5,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_cpu.h"
+#include "jfa/packed_mask.h"
 #include "jfa/params.h"
 
 namespace jfa::cpu {
 
 constexpr int kBr = 64;  // query rows per tile
 constexpr int kBc = 64;  // keys per tile (a multiple of 4: dropout draws four keys per Philox call)
+static_assert(kMaskChunkKeys % kBc == 0, "a key tile must lie inside one chunk of the packed mask");
 
 // Per-row softmax statistics of the forward pass, packed [B][N][T] so tiles read them contiguously.
 struct RowStats {
@@ -30,6 +33,6 @@ void load_stats(const RowStats& stats, int64_t b, int64_t n, int64_t N, int64_t 
                 float* d);
 
 // Pass 3 (only with a bias): d(bias) in the bias's broadcast shape (see bias_grad.cc).
-void bias_gradient(const AttentionParams& p, const RowStats& stats);
+void bias_gradient(const CpuAttentionParams& p, const RowStats& stats);
 
 }  // namespace jfa::cpu

@@ -31,10 +31,10 @@ struct BiasGradScratch {
 };
 
 // dS of one tile into w.dp (row layout, ld kBc); false if the tile is skipped (dS = 0).
-bool tile_ds(const AttentionParams& p, const RowStats& stats, const TileCoords& t, BiasGradScratch& w) {
+bool tile_ds(const CpuAttentionParams& p, const RowStats& stats, const TileCoords& t, BiasGradScratch& w) {
   const SequenceBounds bounds = sequence_bounds(p, t.b);
-  const TileKind kind = tile_kind(p, bounds, t);
-  if (kind == TileKind::kSkip) return false;
+  const TileMasks masks = tile_masks(p, bounds, t);
+  if (masks.kind == TileKind::kSkip) return false;
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv);
   const int64_t kv_head = t.n / p.group_size();
   load_rows(head_view(p.q, p.dtype, p.q_strides, t.b, t.n), t.i0, t.rows, H, p.scale_log2, w.q.data(),
@@ -46,7 +46,7 @@ bool tile_ds(const AttentionParams& p, const RowStats& stats, const TileCoords& 
   load_stats(stats, t.b, t.n, p.N, t.i0, t.rows, w.lse2.data(), w.d.data());
 
   gemm(t.rows, kBc, H, w.q.data(), round_up_columns(H), w.kt.data(), kBc, w.s.data(), kBc, false);
-  prepare_scores(p, bounds, t, kind, w.s.data(), kBc, /*transposed=*/false, nullptr);
+  prepare_scores(p, bounds, t, masks, w.s.data(), kBc, /*transposed=*/false, nullptr);
   exp2_minus_row(w.s.data(), t.rows, kBc, kBc, w.lse2.data());
   gemm(t.rows, kBc, Hv, w.dout.data(), round_up_columns(Hv), w.vt.data(), kBc, w.dp.data(), kBc, false);
   if (p.mask.has_dropout()) apply_dropout(p, t, w.dp.data(), kBc, /*transposed=*/false);
@@ -56,7 +56,7 @@ bool tile_ds(const AttentionParams& p, const RowStats& stats, const TileCoords& 
 
 }  // namespace
 
-void bias_gradient(const AttentionParams& p, const RowStats& stats) {
+void bias_gradient(const CpuAttentionParams& p, const RowStats& stats) {
   const int64_t* dims = p.mask.bias_dims;  // [Bb, Nb, Tb, Sb], each 1 (broadcast) or full
   const bool per_b = dims[0] != 1, per_n = dims[1] != 1, per_i = dims[2] != 1, per_j = dims[3] != 1;
   const int64_t q_blocks = (p.T + kBr - 1) / kBr, k_blocks = (p.S + kBc - 1) / kBc;

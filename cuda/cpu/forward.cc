@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kBr = 64;  // query rows per item (tile columns); a multiple of kColumnMultiple
 constexpr int kBc = 64;  // keys per block: st (16 KiB) and the K/V tiles stay in L1/L2
+static_assert(kMaskChunkKeys % kBc == 0, "a key block must lie inside one chunk of the packed mask");
 
 struct ForwardScratch {
   ForwardScratch(int H, int Hv)
@@ -33,7 +34,7 @@ struct ForwardScratch {
   std::vector<float> m, l;  // per query: running max (log2 units) and sum of exp2
 };
 
-void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, ForwardScratch& w) {
+void forward_item(const CpuAttentionParams& p, int64_t b, int64_t n, int64_t i0, ForwardScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv), Hvp = round_up_columns(Hv);
   const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
   const int64_t kv_head = n / p.group_size();
@@ -52,12 +53,12 @@ void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, Fo
   for (int64_t j0 = range.begin / kBc * kBc; j0 < range.end; j0 += kBc) {
     const int keys = static_cast<int>(std::min<int64_t>(kBc, p.S - j0));
     const TileCoords tile{b, n, i0, rows, j0, keys};
-    const TileKind kind = tile_kind(p, bounds, tile);
-    if (kind == TileKind::kSkip) continue;
+    const TileMasks masks = tile_masks(p, bounds, tile);
+    if (masks.kind == TileKind::kSkip) continue;
     const FloatRows kb = rows_as_float(k, j0, keys, H, H, w.k.data());
     const FloatRows vb = rows_as_float(v, j0, keys, Hv, Hvp, w.v.data());
     gemm(keys, kBr, H, kb.data, kb.ld, w.qt.data(), kBr, w.st.data(), kBr, false);
-    prepare_scores(p, bounds, tile, kind, w.st.data(), kBr, /*transposed=*/true, nullptr);
+    prepare_scores(p, bounds, tile, masks, w.st.data(), kBr, /*transposed=*/true, nullptr);
     softmax_step_transposed(w.st.data(), keys, kBr, kBr, w.m.data(), w.l.data(), w.acc.data(), Hvp, Hvp);
     // Dropout after the softmax statistics: l sums the undropped P, so lse is dropout-free.
     if (p.mask.has_dropout()) apply_dropout(p, tile, w.st.data(), kBr, /*transposed=*/true);
@@ -78,7 +79,7 @@ void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, Fo
 
 }  // namespace
 
-void forward(const AttentionParams& p) {
+void forward(const CpuAttentionParams& p) {
   if (p.B == 0 || p.T == 0 || p.N == 0) return;
   const int64_t q_blocks = (p.T + kBr - 1) / kBr;
   const int64_t items = p.B * p.N * q_blocks;

@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <cmath>
 
+#include "jfa/mask_packing.h"
 #include "jfa/philox.h"
 #include "jfa/score_mod.h"
 
 namespace jfa::cpu {
 
-TileKind tile_kind(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
+namespace {
+
+// The kind from positions and segment ids.
+TileKind policy_kind(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
   TileKind kind = position_tile_kind(p, s, t.i0, t.rows, t.j0, t.cols);
   if (kind == TileKind::kSkip) return kind;
   const MaskParams& m = p.mask;
@@ -22,12 +26,76 @@ TileKind tile_kind(const AttentionParams& p, const SequenceBounds& s, const Tile
     const auto [k_min, k_max] = std::minmax_element(ks + t.j0, ks + j_end);
     kind = segment_tile_kind(kind, *q_min, *q_max, *k_min, *k_max);
   }
-  if (kind == TileKind::kFull && m.has_element_mask()) kind = TileKind::kPartial;
   return kind;
 }
 
-void prepare_scores(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t,
-                    TileKind kind, float* scores, int ld, bool transposed, float* softcap_grad) {
+TileKind as_tile_kind(MaskTileKind kind) {
+  return kind == MaskTileKind::kEmpty ? TileKind::kSkip
+         : kind == MaskTileKind::kFull ? TileKind::kFull : TileKind::kPartial;
+}
+
+// The keys of a tile inside one chunk of keys: the chunk, the tile's first key within it, and per
+// word the bits of the tile's keys.
+struct ChunkKeys {
+  int64_t chunk;
+  int lo;
+  uint32_t in_range[kMaskChunkWords];
+
+  explicit ChunkKeys(const TileCoords& t)
+      : chunk(t.j0 / kMaskChunkKeys), lo(static_cast<int>(t.j0 - chunk * kMaskChunkKeys)) {
+    for (int w = 0; w < kMaskChunkWords; ++w) in_range[w] = mask_bits_between(w, lo, lo + t.cols);
+  }
+};
+
+// The packed mask's kind over a tile inside one chunk of keys: the summaries of the row blocks it
+// covers, and where those are partial, the tile's own bits (a CPU tile is half a chunk wide, and a
+// chunk that is partial may be empty or full over the half a tile covers).
+TileKind packed_mask_kind(const PackedMaskView& m, const TileCoords& t) {
+  const ChunkKeys keys(t);
+  bool any = false, all = true;
+  for (int64_t rb = t.i0 / kMaskTileRows; rb <= (t.i0 + t.rows - 1) / kMaskTileRows; ++rb) {
+    const MaskTileKind kind = m.tile(t.b, t.n, rb, keys.chunk);
+    any = any || kind != MaskTileKind::kEmpty;
+    all = all && kind == MaskTileKind::kFull;
+  }
+  if (!any) return TileKind::kSkip;
+  if (all) return TileKind::kFull;
+  MaskTileSummary summary;
+  for (int r = 0; r < t.rows; ++r) {
+    const uint32_t* words = m.row(t.b, t.n, t.i0 + r) + keys.chunk * kMaskChunkWords;
+    for (int w = 0; w < kMaskChunkWords; ++w) summary.add(words[w], keys.in_range[w]);
+  }
+  return as_tile_kind(summary.kind());
+}
+
+// Calls hide(r, c) for each element of a tile inside one chunk of keys whose bit is 0: word by
+// word over the cleared bits alone, so a mostly visible tile costs little.
+template <typename Hide>
+void for_each_hidden_element(const PackedMaskView& m, const TileCoords& t, Hide hide) {
+  const ChunkKeys keys(t);
+  for (int r = 0; r < t.rows; ++r) {
+    const uint32_t* words = m.row(t.b, t.n, t.i0 + r) + keys.chunk * kMaskChunkWords;
+    for (int w = 0; w < kMaskChunkWords; ++w)
+      for (uint32_t hidden = ~words[w] & keys.in_range[w]; hidden != 0; hidden &= hidden - 1)
+        hide(r, mask_key_of_bit(w, __builtin_ctz(hidden)) - keys.lo);
+  }
+}
+
+}  // namespace
+
+TileMasks tile_masks(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
+  const TileKind policies = policy_kind(p, s, t);
+  if (policies == TileKind::kSkip || !p.packed_mask.present())
+    return TileMasks{policies, policies == TileKind::kPartial, false};
+  const TileKind bits = packed_mask_kind(p.packed_mask, t);
+  if (bits == TileKind::kSkip) return TileMasks{TileKind::kSkip, false, false};
+  const bool partial = policies == TileKind::kPartial || bits == TileKind::kPartial;
+  return TileMasks{partial ? TileKind::kPartial : TileKind::kFull, policies == TileKind::kPartial,
+                   bits == TileKind::kPartial};
+}
+
+void prepare_scores(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t,
+                    const TileMasks& masks, float* scores, int ld, bool transposed, float* softcap_grad) {
   const bool modify = p.mask.has_score_mod();
   // Element (r, c) = query i0 + r, key j0 + c, in either layout.
   auto at = [&](float* x, int r, int c) -> float& {
@@ -36,18 +104,26 @@ void prepare_scores(const AttentionParams& p, const SequenceBounds& s, const Til
   if (!transposed)
     for (int r = 0; r < t.rows; ++r) std::fill(scores + static_cast<int64_t>(r) * ld + t.cols,
                                                scores + static_cast<int64_t>(r + 1) * ld, -INFINITY);
-  if (kind == TileKind::kFull && !modify) {
+  if (masks.kind == TileKind::kFull && !modify) {
     if (softcap_grad != nullptr)
       for (int r = 0; r < t.rows; ++r)
         for (int c = 0; c < t.cols; ++c) at(softcap_grad, r, c) = 1.f;
     return;
   }
+  const bool partial = masks.kind == TileKind::kPartial;
+  if (partial && !masks.test_positions && !modify && softcap_grad == nullptr) {
+    // Only the mask's bits decide, and nothing else changes a score.
+    for_each_hidden_element(p.packed_mask, t, [&](int r, int c) { at(scores, r, c) = -INFINITY; });
+    return;
+  }
   for (int r = 0; r < t.rows; ++r) {
     const int64_t i = t.i0 + r;
+    const uint32_t* bits = partial && masks.test_bits ? p.packed_mask.row(t.b, t.n, i) : nullptr;
     for (int c = 0; c < t.cols; ++c) {
       const int64_t j = t.j0 + c;
       float& x = at(scores, r, c);
-      if (kind == TileKind::kPartial && !visible(p, s, t.b, t.n, i, j)) {
+      if (partial && ((masks.test_positions && !visible(p, s, t.b, t.n, i, j)) ||
+                      (bits != nullptr && !mask_row_has_key(bits, j)))) {
         x = -INFINITY;
         if (softcap_grad != nullptr) at(softcap_grad, r, c) = 0.f;
         continue;

@@ -121,10 +121,11 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        float softcap, float dropout_rate) {
   AttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
-  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                           alibi_slopes, dropout_seeds};
+  const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
+                           dropout_seeds};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
@@ -151,10 +152,11 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
       e.failure())
     return e;
-  const MaskOperands extra{bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                           alibi_slopes, dropout_seeds};
+  const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
+                           dropout_seeds};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/true, &p); e.failure()) return e;
   // One slot per 64 keys: a backward CTA owns a key tile of 64 or 128 keys (sm80/kernel_traits.h).

@@ -1,8 +1,10 @@
-// Decoding the masking and training operands of the CPU handlers into AttentionParams::mask.
+// Decoding the masking and training operands of the handlers into AttentionParams::mask.
 //
 // Every optional operand is an FFI buffer; a rank-0 buffer means "absent" (the lowering passes a
 // scalar placeholder), so one handler signature serves every combination. Each present operand is
-// checked against the attention shapes and named in the error.
+// checked against the attention shapes and named in the error. The boolean mask comes one byte per
+// element to the CUDA handlers (decode_boolean_mask) and bit-packed to the CPU handlers
+// (decode_packed_mask.h).
 #pragma once
 
 #include <cmath>
@@ -15,10 +17,9 @@
 
 namespace jfa::ffi_decode {
 
-// The optional operands, in the handlers' order.
+// The optional operands other than the mask, in the handlers' order.
 struct MaskOperands {
-  ffi::AnyBuffer bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-      dropout_seeds;
+  ffi::AnyBuffer bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seeds;
 };
 
 // The scalar attributes that go with them.
@@ -68,11 +69,6 @@ inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, Attenti
     m.bias = static_cast<const float*>(x.bias.untyped_data());
     for (int i = 0; i < 4; ++i) m.bias_dims[i] = x.bias.dimensions()[i];
   }
-  if (present(x.mask)) {
-    if (auto e = broadcast_bnts(x.mask, "mask", ffi::DataType::PRED, "bool", *p, &m.mask_strides); e.failure())
-      return e;
-    m.mask = static_cast<const uint8_t*>(x.mask.untyped_data());
-  }
   if (present(x.q_lengths)) {
     if (auto e = expect(x.q_lengths, "query_seq_lengths", {p->B}, ffi::DataType::S32); e.failure()) return e;
     m.q_lengths = static_cast<const int32_t*>(x.q_lengths.untyped_data());
@@ -106,6 +102,17 @@ inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, Attenti
     if (auto e = expect(x.dropout_seeds, "dropout seeds", {p->B, 3}, ffi::DataType::U32); e.failure()) return e;
     m.dropout_seeds = static_cast<const uint32_t*>(x.dropout_seeds.untyped_data());
   }
+  return ffi::Error::Success();
+}
+
+// The boolean mask of the CUDA handlers (one byte per element, broadcast by strides), or a rank-0
+// placeholder without one.
+inline ffi::Error decode_boolean_mask(const ffi::AnyBuffer& mask, AttentionParams* p) {
+  if (!present(mask)) return ffi::Error::Success();
+  MaskParams& m = p->mask;
+  if (auto e = broadcast_bnts(mask, "mask", ffi::DataType::PRED, "bool", *p, &m.mask_strides); e.failure())
+    return e;
+  m.mask = static_cast<const uint8_t*>(mask.untyped_data());
   return ffi::Error::Success();
 }
 

@@ -27,6 +27,7 @@ NB_MODULE(_jax_flashattn, m) {
     nb::dict d;
     d["jfa_attention_fwd"] = as_capsule(JfaForwardCpu);
     d["jfa_attention_bwd"] = as_capsule(JfaBackwardCpu);
+    d["jfa_pack_mask"] = as_capsule(JfaPackMaskCpu);
     return d;
   });
 
@@ -35,6 +36,7 @@ NB_MODULE(_jax_flashattn, m) {
 #ifdef JFA_WITH_CUDA
     d["jfa_attention_fwd"] = as_capsule(JfaForwardCuda);
     d["jfa_attention_bwd"] = as_capsule(JfaBackwardCuda);
+    d["jfa_pack_mask"] = as_capsule(JfaPackMaskCuda);
 #endif
     return d;
   });

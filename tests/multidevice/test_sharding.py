@@ -298,3 +298,47 @@ def test_varlen_and_drop_in_keep_the_sharding():
     varlen = jax.jit(lambda x: jfa.varlen_attention(x, x, x, cu, None, max_seqlen_q=64,
                                                     max_seqlen_k=64, is_causal=True))
     check_equal(varlen(put(mesh, x, P("x"))), varlen(x), seed)
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_packed_masks_split_along_batch_and_heads(shardy):
+    """pack_mask of a sharded boolean mask packs each device's slices, and attention with the
+    PackedMask keeps batch and head sharding: no collective in either pass."""
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 4, 70, 140, 8, 4, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    mask = jnp.asarray(np.random.default_rng(seed).random((B, N, T, S)) < 0.5)
+    spec = P("x", None, "y")
+    args = [put(mesh, x, spec) for x in (q, k, v, do)] + [put(mesh, dlse, P(*spec[:3])),
+                                                          put(mesh, mask, P("x", "y"))]
+
+    def f(q, k, v, do, dlse, mask):
+        return forward_and_grads(q, k, v, do, dlse, mask=jfa.pack_mask(mask), is_causal=True)
+
+    with partitioner(shardy):
+        packed = jax.jit(jfa.pack_mask)(args[-1])
+        assert collectives(jfa.pack_mask, args[-1]) == []
+        assert collectives(f, *args) == []
+        sharded = jax.jit(f)(*args)
+    assert packed.bits.sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 4)
+    np.testing.assert_array_equal(np.asarray(packed.bits), np.asarray(jfa.pack_mask(mask).bits))
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, mask), seed)
+
+
+def test_packed_mask_keeps_the_query_sequence_whole():
+    """Tile summaries cover 64 rows of the whole sequence: with a PackedMask, queries sharded along
+    the sequence are gathered (still exact)."""
+    mesh = cpu_mesh((4,), ("y",))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 96, 70, 4, 2, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    packed = jfa.pack_mask(np.random.default_rng(seed).random((B, 1, T, S)) < 0.6)
+
+    def f(q, k, v, do, dlse, mask):
+        return forward_and_grads(q, k, v, do, dlse, mask=mask, is_causal=True)
+
+    rows = P(None, "y")
+    sharded = jax.jit(f)(put(mesh, q, rows), put(mesh, k, P()), put(mesh, v, P()), put(mesh, do, rows),
+                         put(mesh, dlse, rows), packed)
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, packed), seed, bound=1e-5)

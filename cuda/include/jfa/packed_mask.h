@@ -1,0 +1,79 @@
+// The bit-packed boolean mask (jax_flashattn.PackedMask): its layout, and a view of its two arrays
+// that any kernel, CPU or GPU, can read.
+//
+// bits, uint32 [B|1, N|1, T, words(S)]: each query row's keys are cut into chunks of 128; chunk c
+// is the 4 words bits[..., t, 4c + w], and key j = 128c + x lives in word w = (x % 8) / 2 at bit
+// b = 2 (x / 8) + x % 2, i.e. x = 8 (b / 2) + 2w + b % 2. Word w holds exactly the columns that
+// quad lane w of an sm90 wgmma accumulator (and of an mma.sync m16n8 fragment) owns, in the order
+// the thread holds them: such a thread reads one word per row per 128 keys and tests bit n for its
+// n-th column. Keys past S are 0.
+//
+// tiles, uint8 [B|1, N|1, row_blocks(T), chunks(S)]: per tile of kMaskTileRows query rows x
+// kMaskChunkKeys keys, a MaskTileKind over its in-range elements (rows past T and keys past S do
+// not count). A kernel tile of whole 64-row blocks and either whole chunks or part of one chunk
+// combines the summaries it covers: all empty → skip, all full → no per-element test.
+#pragma once
+
+#include <cstdint>
+
+#include "jfa/host_device.h"
+
+namespace jfa {
+
+inline constexpr int kMaskChunkKeys = 128;   // keys per chunk of 4 words
+inline constexpr int kMaskChunkWords = 4;    // words per chunk: one per quad lane
+inline constexpr int kMaskTileRows = 64;     // query rows per tile summary (one wgmma atom's M)
+
+// What a tile summary says about its in-range elements.
+enum class MaskTileKind : uint8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
+
+// The word (quad lane) and bit of key x of a chunk, and the inverse.
+JFA_HOST_DEVICE int mask_word_of_key(int x) { return (x & 7) >> 1; }
+JFA_HOST_DEVICE int mask_bit_of_key(int x) { return ((x >> 3) << 1) | (x & 1); }
+JFA_HOST_DEVICE int mask_key_of_bit(int word, int bit) { return ((bit >> 1) << 3) | (word << 1) | (bit & 1); }
+
+JFA_HOST_DEVICE int64_t mask_chunks(int64_t S) { return (S + kMaskChunkKeys - 1) / kMaskChunkKeys; }
+JFA_HOST_DEVICE int64_t mask_words(int64_t S) { return mask_chunks(S) * kMaskChunkWords; }
+JFA_HOST_DEVICE int64_t mask_row_blocks(int64_t T) { return (T + kMaskTileRows - 1) / kMaskTileRows; }
+
+// The bits of word `word` whose keys x of the chunk lie in [0, keys) (keys may exceed 128).
+JFA_HOST_DEVICE uint32_t mask_bits_below(int word, int64_t keys) {
+  uint32_t bits = 0;
+  for (int b = 0; b < 32; ++b)
+    if (mask_key_of_bit(word, b) < keys) bits |= 1u << b;
+  return bits;
+}
+
+// The bits of word `word` whose keys x of the chunk lie in [lo, hi).
+JFA_HOST_DEVICE uint32_t mask_bits_between(int word, int64_t lo, int64_t hi) {
+  return mask_bits_below(word, hi) & ~mask_bits_below(word, lo);
+}
+
+// Whether key j (any key of the row, not only of one chunk) is set in a row's words.
+JFA_HOST_DEVICE bool mask_row_has_key(const uint32_t* row, int64_t j) {
+  const int x = static_cast<int>(j % kMaskChunkKeys);
+  return (row[(j / kMaskChunkKeys) * kMaskChunkWords + mask_word_of_key(x)] >> mask_bit_of_key(x)) & 1u;
+}
+
+// The two arrays of a PackedMask, broadcast to [B, N, ...] by strides (0 on a size-1 axis).
+struct PackedMaskView {
+  const uint32_t* bits = nullptr;
+  const uint8_t* tiles = nullptr;
+  int64_t words = 0;        // words per row, mask_words(S)
+  int64_t chunks = 0;       // tile summaries per row block, mask_chunks(S)
+  int64_t row_blocks = 0;   // mask_row_blocks(T)
+  int64_t bits_batch_stride = 0, bits_head_stride = 0;    // elements
+  int64_t tiles_batch_stride = 0, tiles_head_stride = 0;  // elements
+
+  JFA_HOST_DEVICE bool present() const { return bits != nullptr; }
+  // The words of query row i of (batch b, head n).
+  JFA_HOST_DEVICE const uint32_t* row(int64_t b, int64_t n, int64_t i) const {
+    return bits + b * bits_batch_stride + n * bits_head_stride + i * words;
+  }
+  JFA_HOST_DEVICE MaskTileKind tile(int64_t b, int64_t n, int64_t row_block, int64_t chunk) const {
+    return static_cast<MaskTileKind>(tiles[b * tiles_batch_stride + n * tiles_head_stride +
+                                           row_block * chunks + chunk]);
+  }
+};
+
+}  // namespace jfa
