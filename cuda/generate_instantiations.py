@@ -20,6 +20,7 @@ SM90_BWD_HDIMS = [64, 128, 256]  # the backward
 SM90_BWD_SETS = {
     "positions": "kBwdPositionsSet",
     "alibi": "kBwdAlibiSet",
+    "softcap": "kBwdSoftcapSet",
     "general": "kPolicyAll",
     "dropout_positions": "kBwdDropoutPositionsSet",
     "dropout": "kPolicyAll | kPolicyDropout",

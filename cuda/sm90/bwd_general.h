@@ -182,11 +182,12 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   constexpr int kCols = decltype(size<1>(s))::value;
   static_assert(kCols % 2 == 0);
   constexpr bool kGeneral = kPass == BwdTilePass::kGeneral, kModified = kPass != BwdTilePass::kPlain;
-  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0, kScore = (kPolicies & kPolicyScore) != 0;
+  constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0, kSoftcap = (kPolicies & kPolicySoftcap) != 0;
+  constexpr bool kBias = (kPolicies & kPolicyBias) != 0;
   constexpr bool kAlibi = (kPolicies & kPolicyAlibi) != 0, kSegments = (kPolicies & kPolicySegments) != 0;
   constexpr bool kBoolMask = (kPolicies & kPolicyBoolMask) != 0;
   const MaskParams& m = p.mask;
-  const bool softcap = kScore && kModified && m.softcap > 0.f;
+  const bool softcap = kSoftcap && kModified && m.softcap > 0.f;
   const float softcap2 = m.softcap * kLog2eF, softcap_in = softcap ? p.scale_log2 / softcap2 : 0.f;
   // ALiBi's term in log2 units; d(slope) needs |i + offset − j| = |pos0 + query − key| per element.
   const float slope_log2 =
@@ -195,9 +196,9 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   // This (batch, head)'s planes of the boolean mask, the bias and d(bias) (null: none).
   const uint8_t* mask = kBoolMask && kGeneral && m.mask != nullptr
                             ? m.mask + b.batch * m.mask_strides.batch + head * m.mask_strides.head : nullptr;
-  const float* bias = kScore && kGeneral && m.bias != nullptr
+  const float* bias = kBias && kGeneral && m.bias != nullptr
                           ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
-  float* dbias = kScore && kGeneral && m.dbias != nullptr
+  float* dbias = kBias && kGeneral && m.dbias != nullptr
                      ? m.dbias + b.batch * m.dbias_strides.batch + head * m.dbias_strides.head : nullptr;
   const int32_t* kv_seg =
       kSegments && kGeneral && m.q_segment_ids != nullptr ? m.kv_segment_ids + int64_t(b.batch) * p.S : nullptr;
@@ -266,7 +267,7 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
       float z = 1.f;
       if constexpr (kDropout) z = keep.kept(c, e) ? b.keep_scale : 0.f;
       const float dlogit = prob * (dp(r, cc) * z - dsum_i);
-      if constexpr (kGeneral && kScore) {
+      if constexpr (kGeneral && kBias) {
         if (dbias != nullptr && dlogit != 0.f)
           atomicAdd(dbias + int64_t(query0 + qk_query) * m.dbias_strides.row +
                         int64_t(b.key0 + qk_key) * m.dbias_strides.col,
@@ -330,7 +331,8 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
   } else {
     const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, m_block);
     const MaskParams& m = p.mask;
-    constexpr bool kScore = (kPolicies & kPolicyScore) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
+    constexpr bool kSoftcap = (kPolicies & kPolicySoftcap) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
+    constexpr bool kBias = (kPolicies & kPolicyBias) != 0;
     bwd_step_scores(
         mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP, [](auto&) {},
         [&](auto& scores, auto& grads) {
@@ -340,9 +342,9 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
                 scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep);
           };
           using Pass = BwdTilePass;
-          if (partial || (kScore && m.bias != nullptr)) {
+          if (partial || (kBias && m.bias != nullptr)) {
             slope_dot = pass(std::integral_constant<Pass, Pass::kGeneral>{});
-          } else if constexpr (kScore || kAlibi) {
+          } else if constexpr (kSoftcap || kAlibi) {
             if (m.softcap > 0.f || m.alibi_slopes != nullptr)
               slope_dot = pass(std::integral_constant<Pass, Pass::kModified>{});
             else

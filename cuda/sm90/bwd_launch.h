@@ -85,6 +85,7 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
     switch (set) {
       case kBwdPositionsSet: return run_bwd_policies<Element, kHeadDim, kBwdPositionsSet>(p, stream);
       case kBwdAlibiSet: return run_bwd_policies<Element, kHeadDim, kBwdAlibiSet>(p, stream);
+      case kBwdSoftcapSet: return run_bwd_policies<Element, kHeadDim, kBwdSoftcapSet>(p, stream);
       case kPolicyAll: return run_bwd_policies<Element, kHeadDim, kPolicyAll>(p, stream);
       case kBwdDropoutPositionsSet: return run_bwd_policies<Element, kHeadDim, kBwdDropoutPositionsSet>(p, stream);
       default: return run_bwd_policies<Element, kHeadDim, kPolicyAll | kPolicyDropout>(p, stream);

@@ -21,7 +21,8 @@ using namespace cute;
 
 // The policies a general-path kernel compiles code for (fwd_kernel's kPolicies, a bit set).
 // Positions (causal with either alignment, window, valid lengths) always; ALiBi; the other score
-// modifiers (soft-capping, bias); the data masks (segment ids, boolean mask). fwd_launch.h picks
+// modifiers (soft-capping, bias: kPolicyScore, two bits that the forward's sets take together and
+// the backward's apart); the data masks (segment ids, boolean mask). fwd_launch.h picks
 // the smallest compiled set that covers a call: one kernel with every feature has a hot loop that
 // spans the code of every feature's per-element loops, and misses the instruction cache.
 // Dropout (dropout.h) is a set of its own, kPolicyAll | kPolicyDropout: one kernel, on tiles of its
@@ -29,10 +30,10 @@ using namespace cute;
 // Segment ids alone (with positions) are a set of their own too: without the boolean mask's code
 // H 64 fits them on plain causal's 192 x 128 tile (fwd_launch.h).
 enum : int {
-  kPolicyPositions = 1, kPolicyAlibi = 2, kPolicyScore = 4, kPolicySegments = 8, kPolicyDropout = 16,
-  kPolicyBoolMask = 32
+  kPolicyPositions = 1, kPolicyAlibi = 2, kPolicySoftcap = 4, kPolicySegments = 8, kPolicyDropout = 16,
+  kPolicyBoolMask = 32, kPolicyBias = 64
 };
-enum : int { kPolicyData = kPolicySegments | kPolicyBoolMask };
+enum : int { kPolicyScore = kPolicySoftcap | kPolicyBias, kPolicyData = kPolicySegments | kPolicyBoolMask };
 enum : int { kPolicyAll = kPolicyPositions | kPolicyAlibi | kPolicyScore | kPolicyData };
 
 // Whether a kernel of policy set `policies` takes ALiBi's term on the tensor cores, as a k prefix of
@@ -45,7 +46,8 @@ constexpr bool alibi_on_tensor_cores(int policies) { return policies == (kPolicy
 inline int policies_needed(const MaskParams& m) {
   int set = kPolicyPositions;
   if (m.alibi_slopes != nullptr) set |= kPolicyAlibi;
-  if (m.softcap > 0.f || m.bias != nullptr) set |= kPolicyScore;
+  if (m.softcap > 0.f) set |= kPolicySoftcap;
+  if (m.bias != nullptr) set |= kPolicyBias;
   if (m.q_segment_ids != nullptr) set |= kPolicySegments;
   if (m.mask != nullptr) set |= kPolicyBoolMask;
   return set;
@@ -53,13 +55,15 @@ inline int policies_needed(const MaskParams& m) {
 
 // The Hopper backward's general-path kernels, besides kPolicyAll and kPolicyAll | kPolicyDropout:
 // positions and segment ids (windows, lengths, causal with either alignment, packed sequences);
-// positions and ALiBi; positions with dropout. The backward holds dK and dV in registers beside
-// the step's scores, so the code of each feature a kernel leaves out is registers the others keep
-// (ptxas spills: docs/performance.md). Soft-capping and the bias stay with the kernel of every
-// feature: with them, a set's registers are nearly those of that kernel.
+// positions and ALiBi; positions and soft-capping; positions with dropout. The backward holds dK
+// and dV in registers beside the step's scores, so the code of each feature a kernel leaves out is
+// registers the others keep (ptxas spills: docs/performance.md); ALiBi and soft-capping are sets
+// apart because one kernel for both runs either at the speed of both. The bias (with d(bias):
+// per-element loads and atomics) and the boolean mask stay with the kernel of every feature.
 enum : int {
   kBwdPositionsSet = kPolicyPositions | kPolicySegments,
   kBwdAlibiSet = kPolicyPositions | kPolicyAlibi,
+  kBwdSoftcapSet = kPolicyPositions | kPolicySoftcap,
   kBwdDropoutPositionsSet = kPolicyPositions | kPolicyDropout,
 };
 
@@ -69,6 +73,7 @@ inline int bwd_policy_set(const MaskParams& m) {
   if (m.has_dropout()) return needed == kPolicyPositions ? kBwdDropoutPositionsSet : (kPolicyAll | kPolicyDropout);
   if ((needed & ~kBwdPositionsSet) == 0) return kBwdPositionsSet;
   if ((needed & ~kBwdAlibiSet) == 0) return kBwdAlibiSet;
+  if ((needed & ~kBwdSoftcapSet) == 0) return kBwdSoftcapSet;
   return kPolicyAll;
 }
 
