@@ -89,3 +89,62 @@ def test_dropout_rate_and_determinism():
     assert rel_err(model(x, deterministic=True), plain(x)) <= 1e-6
     a, b = model(x, deterministic=False), model(x, deterministic=False)
     assert rel_err(a, b) > 1e-3  # the rng stream advanced: a new mask
+
+
+def _reference(q, k, v, bias, mask):
+    """float32 softmax attention over [batch..., T, N, H] with right-aligned broadcast bias/mask."""
+    logits = jnp.einsum("...tnh,...snh->...nts", q, k) / q.shape[-1] ** 0.5 + bias
+    logits = jnp.where(mask, logits, -jnp.inf)
+    return jnp.einsum("...nts,...snh->...tnh", jax.nn.softmax(logits, axis=-1), v)
+
+
+def test_several_batch_axes_fold_with_their_masks_and_biases():
+    seed = fresh_seed() % 2**31
+    kq, kk, kv, kb, km = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(kq, (2, 3, 13, 4, 16))
+    k = jax.random.normal(kk, (2, 3, 17, 4, 16))
+    v = jax.random.normal(kv, (2, 3, 17, 4, 16))
+    bias = jax.random.normal(kb, (3, 4, 13, 17))                     # broadcast over the first axis
+    mask = jax.random.bernoulli(km, 0.8, (2, 1, 1, 13, 17)).astype(jnp.float32)  # float, as Flax's
+    mask = mask.at[..., 0].set(1.0)                                  # every row sees a key
+    out = attention_fn(q, k, v, bias=bias, mask=mask)
+    assert out.shape == (2, 3, 13, 4, 16)
+    assert rel_err(out, _reference(q, k, v, bias, mask != 0)) <= 1e-5, f"seed {seed}"
+    shared = jnp.ones((1, 1, 1, 13, 17), bool)                      # broadcast over every batch axis
+    assert rel_err(attention_fn(q, k, v, mask=shared), _reference(q, k, v, 0.0, shared)) <= 1e-5
+    grads = jax.grad(lambda q, k, v: jnp.sum(attention_fn(q, k, v, bias=bias) ** 2), (0, 1, 2))(q, k, v)
+    expected = jax.grad(lambda q, k, v: jnp.sum(_reference(q, k, v, bias, True) ** 2), (0, 1, 2))(q, k, v)
+    for g, e in zip(grads, expected):
+        assert rel_err(g, e) <= 1e-4, f"seed {seed}"
+
+
+def test_nnx_sow_weights_records_flax_weights():
+    seed = fresh_seed() % 2**31
+    x = jax.random.normal(jax.random.key(seed), (2, 11, 32))
+    ours, theirs = _nnx_mha(seed, attention_fn), _nnx_mha(seed, None)
+    out = ours(x, sow_weights=True)
+    assert rel_err(out, theirs(x, sow_weights=True)) <= 1e-5, f"seed {seed}"
+    weights = nnx.state(ours, nnx.Intermediate)
+    assert rel_err(jax.tree.leaves(weights)[0], jax.tree.leaves(nnx.state(theirs, nnx.Intermediate))[0]) <= 1e-6
+    assert jax.tree.leaves(weights)[0].shape == (2, 4, 11, 11)
+
+
+def test_linen_sow_weights_records_flax_weights_with_is_causal():
+    seed = fresh_seed() % 2**31
+    x = jax.random.normal(jax.random.key(seed), (2, 9, 32))
+    ours = linen.MultiHeadDotProductAttention(
+        num_heads=4, qkv_features=64, attention_fn=functools.partial(attention_fn, is_causal=True))
+    theirs = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+    params = theirs.init(jax.random.key(seed), x)
+    mask = linen.make_causal_mask(jnp.ones((2, 9)))
+    out, state = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    expected, expected_state = theirs.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+    assert rel_err(out, expected) <= 1e-5, f"seed {seed}"
+    assert rel_err(jax.tree.leaves(state)[0], jax.tree.leaves(expected_state)[0]) <= 1e-6
+
+
+def test_sow_weights_refuses_jax_flashattn_keywords():
+    x = jnp.ones((1, 5, 32))
+    mha = _nnx_mha(0, functools.partial(attention_fn, softcap=30.0))
+    with pytest.raises(ValueError, match="sow_weights=True.*softcap"):
+        mha(x, sow_weights=True)
