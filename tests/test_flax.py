@@ -46,14 +46,18 @@ def test_nnx_is_causal_matches_causal_mask():
     assert rel_err(ours(x, is_causal=True), theirs(x, mask=mask)) <= 1e-5, f"seed {seed}"
 
 
-def test_linen_causal_via_partial_matches_causal_mask():
-    seed = fresh_seed() % 2**31
-    x = jax.random.normal(jax.random.key(seed), (2, 23, 32))
+def _linen_causal_pair(seed, T):
+    """linen attention with is_causal bound to ours, Flax's own, their params, inputs and the
+    causal mask that Flax's needs for the same result."""
+    x = jax.random.normal(jax.random.key(seed), (2, T, 32))
     ours = linen.MultiHeadDotProductAttention(
         num_heads=4, qkv_features=64, attention_fn=functools.partial(attention_fn, is_causal=True))
     theirs = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
-    params = theirs.init(jax.random.key(seed), x)
-    mask = linen.make_causal_mask(jnp.ones((2, 23)))
+    return ours, theirs, theirs.init(jax.random.key(seed), x), x, linen.make_causal_mask(jnp.ones((2, T)))
+
+
+def test_linen_causal_via_partial_matches_causal_mask():
+    ours, theirs, params, x, mask = _linen_causal_pair(fresh_seed() % 2**31, 23)
     assert rel_err(ours.apply(params, x), theirs.apply(params, x, mask=mask)) <= 1e-5
 
 
@@ -131,12 +135,7 @@ def test_nnx_sow_weights_records_flax_weights():
 
 def test_linen_sow_weights_records_flax_weights_with_is_causal():
     seed = fresh_seed() % 2**31
-    x = jax.random.normal(jax.random.key(seed), (2, 9, 32))
-    ours = linen.MultiHeadDotProductAttention(
-        num_heads=4, qkv_features=64, attention_fn=functools.partial(attention_fn, is_causal=True))
-    theirs = linen.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
-    params = theirs.init(jax.random.key(seed), x)
-    mask = linen.make_causal_mask(jnp.ones((2, 9)))
+    ours, theirs, params, x, mask = _linen_causal_pair(seed, 9)
     out, state = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
     expected, expected_state = theirs.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
     assert rel_err(out, expected) <= 1e-5, f"seed {seed}"
