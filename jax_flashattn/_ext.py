@@ -28,9 +28,9 @@ def has_cuda() -> bool:
     return bool(_lib.cuda_targets())
 
 
-def cuda_head_dim(dtype, head_dim: int) -> int:
-    """Smallest head dim with a built CUDA kernel that is >= head_dim (-1 if none)."""
-    del dtype  # every built head dim is built for every built dtype
+def cuda_head_dim(head_dim: int) -> int:
+    """Smallest head dim with a built CUDA kernel that is >= head_dim (-1 if none): every built
+    head dim is built for every built dtype."""
     return int(_lib.cuda_head_dim(0, int(head_dim)))
 
 

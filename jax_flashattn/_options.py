@@ -36,21 +36,6 @@ class MaskConfig:
     dropout_rate: float = 0.0
     deterministic: bool = False
 
-    def nondefault_keywords(self):
-        """Names of the keywords beyond plain/causal attention that this config uses."""
-        names = []
-        if self.bottom_right:
-            names.append("causal_alignment")
-        if self.window_left >= 0 or self.window_right >= 0:
-            names.append("local_window_size")
-        if self.softcap:
-            names.append("softcap")
-        if self.dropout_rate:
-            names.append("dropout_rate")
-        if self.deterministic:
-            names.append("deterministic")
-        return names
-
 
 class Extras(NamedTuple):
     bias: Optional[jax.Array] = None

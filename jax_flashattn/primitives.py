@@ -158,7 +158,7 @@ def _cuda_head_dim(q_aval, v_aval) -> int:
             f"jax_flashattn: the CUDA kernels take float16 or bfloat16 inputs, got {q_aval.dtype}; "
             "cast query, key and value (softmax and accumulation are float32 inside the kernel)")
     H, Hv = q_aval.shape[-1], v_aval.shape[-1]
-    padded = _ext.cuda_head_dim(q_aval.dtype, max(H, Hv))
+    padded = _ext.cuda_head_dim(max(H, Hv))
     if padded < 0:
         raise ValueError(
             f"jax_flashattn: no CUDA kernel for head dims H={H}, Hv={Hv}; this build has "
