@@ -19,8 +19,9 @@ gives float32), or be a jax_flashattn.PackedMask. Dropout (dropout_rate > 0 and 
 deterministic) uses jax_flashattn's Philox stream keyed by Flax's dropout_rng: the same rate and
 scaling as Flax, a different random mask, drawn per (batch, head) whatever broadcast_dropout says.
 
-`sow_weights=True` asks for the T x S attention weights, which jax_flashattn never forms: Flax's
-own attention then runs the call and sows them (only without jax_flashattn's own keywords).
+Two kinds of call run on Flax's own attention instead (only without jax_flashattn's own keywords):
+`sow_weights=True`, which asks for the T x S attention weights that jax_flashattn never forms (Flax
+sows them), and float64 (under jax_enable_x64), which the kernels do not take.
 """
 from __future__ import annotations
 
@@ -42,15 +43,19 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     """
     ours = {name: value for name, value in keywords.items()
             if name in _FLASH_KEYWORDS}
-    if module is not None:  # sow_weights=True
-        return _flax_attention_sowing_weights(
-            query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
-            dtype, precision, module, is_causal, implementation, ours)
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
+    reason = ("sow_weights=True (the weights are the T x S matrix jax_flashattn never forms)"
+              if module is not None else
+              "float64 (the kernels take float32, float16 and bfloat16)" if jnp.dtype(dtype) == jnp.float64
+              else None)
+    if reason is not None:
+        return _flax_own_attention(
+            reason, query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+            deterministic, dtype, precision, module, is_causal, implementation, ours)
     if mask is not None and not isinstance(mask, PackedMask):
         mask = jnp.asarray(mask)
         mask = mask if mask.dtype == jnp.bool_ else mask != 0
-    if dtype is None:
-        dtype = jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x).astype(dtype) for x in (query, key, value))
     batch_shape = query.shape[:-3]
     if len(batch_shape) > 1:
@@ -81,19 +86,19 @@ def _fold_batch_axes(x, batch_shape):
     return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
 
 
-def _flax_attention_sowing_weights(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
-                                   dropout_rate, deterministic, dtype, precision, module, is_causal,
-                                   implementation, ours):
-    """Flax's own attention for a module that sows its weights: they are the T x S matrix."""
+def _flax_own_attention(reason, query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                        dropout_rate, deterministic, dtype, precision, module, is_causal, implementation,
+                        ours):
+    """Flax's own attention, for the calls jax_flashattn's kernels cannot serve (`reason`); a
+    module passed in sows its weights. Linen's modules take linen's attention, the rest nnx's."""
     if ours or implementation is not None or isinstance(mask, PackedMask):
         given = sorted(ours) + (["implementation"] if implementation is not None else []) + (
             ["mask=PackedMask"] if isinstance(mask, PackedMask) else [])
-        raise ValueError("attention_fn: sow_weights=True runs Flax's own attention (the weights are "
-                         f"the T x S matrix jax_flashattn never forms), which takes none of {given}")
+        raise ValueError(f"attention_fn: {reason} runs Flax's own attention, which takes none of {given}")
     from flax import nnx  # noqa: PLC0415 (Flax is optional for the package)
     args = (query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
             dtype, precision, module)
-    if isinstance(module, nnx.Module):
+    if module is None or isinstance(module, nnx.Module):
         return nnx.dot_product_attention(*args, is_causal=is_causal)
     from flax import linen  # noqa: PLC0415
     if is_causal:  # linen's attention has no is_causal: the top-left causal mask, as flash_attention's

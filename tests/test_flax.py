@@ -147,3 +147,16 @@ def test_sow_weights_refuses_jax_flashattn_keywords():
     mha = _nnx_mha(0, functools.partial(attention_fn, softcap=30.0))
     with pytest.raises(ValueError, match="sow_weights=True.*softcap"):
         mha(x, sow_weights=True)
+
+
+def test_float64_runs_flax_own_attention():
+    seed = fresh_seed() % 2**31
+    with jax.enable_x64(True):
+        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+        q, k, v = (jax.random.normal(r, (2, 7, 4, 16), jnp.float64) for r in (kq, kk, kv))
+        out = attention_fn(q, k, v, is_causal=True)
+        assert out.dtype == jnp.float64
+        causal = jnp.tril(jnp.ones((7, 7), bool))
+        assert rel_err(out, nnx.dot_product_attention(q, k, v, mask=causal)) <= 1e-12, f"seed {seed}"
+        with pytest.raises(ValueError, match="float64.*softcap"):
+            attention_fn(q, k, v, softcap=5.0)
