@@ -8,6 +8,8 @@
 // ./harness --masks   timing of the masked forward against plain causal (the masks' speed table),
 //                      interleaved rounds, medians; --masks-bwd the same for the Hopper backward
 //                      (deterministic=True as one more "mask")
+// ./harness --deterministic-bwd   the Hopper backward with deterministic=True against the default,
+//                      causal and not, interleaved rounds, medians
 // ./harness --lengths timing of the plain forward at T = 1k..16k (B·T = 16k), sm90 only
 // ./harness --hostcost host time of one forward call and of the CUDA calls it is made of
 // ./harness --profile H causal [mask [T]]   one timing (for ncu: its 4th launch is the first timed
@@ -578,14 +580,18 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, BenchMask b
 // their timing rounds interleaved (round r times every problem once, in a shuffled order), so
 // that clock and temperature drift reach all of them alike; medians of the rounds, and each
 // mask's median as a percentage of plain causal at the same useful FLOPs.
-static void bench_masks(DType dt, int H, int T, int N, int rounds, bool backward) {
+// The references: kNone and kQuarterCausal (the masks on T / 4). `only_ordered`: kNone against
+// deterministic=True alone (--deterministic-bwd), causal or not.
+static void bench_masks(DType dt, int H, int T, int N, int rounds, bool backward, bool only_ordered = false,
+                        bool causal = true) {
   if (!jfa::sm90::is_built(dt, H)) return;
   std::vector<std::unique_ptr<BenchProblem>> probs;
   std::vector<BenchMask> masks = {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
                                   BenchMask::kQuarterOneSegment, BenchMask::kWideWindow, BenchMask::kWindow,
                                   BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout};
+  if (only_ordered) masks = {BenchMask::kNone};
   if (backward) masks.push_back(BenchMask::kDeterministic);
-  for (BenchMask m : masks) probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, true, m));
+  for (BenchMask m : masks) probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, causal, m));
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1;
@@ -612,16 +618,17 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds, bool backward
   }
   auto flops_of = [&](size_t i) { return backward ? probs[i]->backward_flops : probs[i]->flops; };
   const double plain = flops_of(0) / median(ms[0]) * 1e-9;
-  const double plain_quarter = flops_of(1) / median(ms[1]) * 1e-9;
+  const double plain_quarter = only_ordered ? 0.0 : flops_of(1) / median(ms[1]) * 1e-9;
   for (size_t i = 0; i < probs.size(); ++i) {
     const float med = median(ms[i]);
     const auto [lo, hi] = std::minmax_element(ms[i].begin(), ms[i].end());
     const double tflops = flops_of(i) / med * 1e-9;
     const BenchMask m = probs[i]->mask;
-    printf("MASKS %s H=%d B=%d T=S=%d N=%d causal=1 mask=%s | sm90 %s median %.3f ms (%d rounds, %.3f-%.3f) "
-           "%.1f TFLOP/s (useful FLOPs) | %.1f %% of plain causal",
-           dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), int(probs[i]->p.T), N, bench_mask_name(m),
-           backward ? "bwd" : "fwd", med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain);
+    printf("MASKS %s H=%d B=%d T=S=%d N=%d causal=%d mask=%s | sm90 %s median %.3f ms (%d rounds, %.3f-%.3f) "
+           "%.1f TFLOP/s (useful FLOPs) | %.1f %% of plain %s",
+           dt == DType::kBFloat16 ? "bf16" : "fp16", H, int(probs[i]->p.B), int(probs[i]->p.T), N, int(causal),
+           bench_mask_name(m), backward ? "bwd" : "fwd", med, rounds, *lo, *hi, tflops, 100.0 * tflops / plain,
+           causal ? "causal" : "non-causal");
     // Masks whose rows see T / 4 keys or so, also beside plain causal on T / 4.
     if (m == BenchMask::kWindow || m == BenchMask::kSegments || m == BenchMask::kQuarterWideWindow ||
         m == BenchMask::kQuarterOneSegment)
@@ -702,7 +709,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   const bool small = mode == "--small", masks_bwd = mode == "--masks-bwd", masks_only = mode == "--masks" || masks_bwd;
-  const bool bench_only = mode == "--bench" || masks_only;
+  const bool ordered_only = mode == "--deterministic-bwd";
+  const bool bench_only = mode == "--bench" || masks_only || ordered_only;
   const unsigned seed = std::random_device{}();
   printf("seed: %u\n", seed);
   std::mt19937 rng(seed);
@@ -777,12 +785,15 @@ int main(int argc, char** argv) {
     }
   }
   for (auto& c : cases) run_case(c, rng);
-  if (!small && !masks_only) {
+  if (!small && !masks_only && !ordered_only) {
     for (int H : {64, 128, 256})
       for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
   }
   if (masks_only)
     for (int H : {64, 128, 256}) bench_masks(BF, H, 16384, 2048 / H, 15, masks_bwd);
+  if (ordered_only)
+    for (int H : {64, 128, 256})
+      for (bool causal : {true, false}) bench_masks(BF, H, 16384, 2048 / H, 9, true, true, causal);
   printf("%d failures\n", g_failures);
   return g_failures ? 1 : 0;
 }
