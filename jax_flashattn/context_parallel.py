@@ -15,14 +15,20 @@ layout: sequence chunks r and 2n - 1 - r of 2n). Two strategies:
   * all_gather: K/V are gathered once and each query chunk attends to the prefix of keys it can
     see (bottom-right alignment with the prefix as the key length places it at its global
     position); JAX's transpose of the gather reduce-scatters dK/dV. It holds the whole K/V on
-    every device, which is cheap when K/V are small (GQA).
-Position-dependent keywords other than causality (windows, ALiBi, dropout, lengths, bias, masks)
-are not supported across shards: they raise a ValueError naming the keyword.
+    every device, which is cheap when K/V are small (GQA). With key lengths the prefix is two
+    calls merged through their LSEs: the keys before the chunk without a causal mask, and the
+    chunk's own keys with one (bottom-right alignment would move the diagonal with the lengths).
+Lengths, bias and masks are cut per block: a block's lengths are the global ones clipped to its
+chunks (padding sits at the end of the global sequence, so the valid rows of any block are a
+prefix of it), and the bias/mask rows of this device are sliced to the keys of the block in hand.
+Windows, ALiBi and dropout need global positions inside the kernels: they raise a ValueError
+naming the keyword.
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +38,13 @@ from . import _options, _validate
 from ._compat import pcast_varying, varying_axes
 from .attention import flash_attention
 from .autodiff import extra_operands, vary_together
+from .masks import PackedMask
 from .primitives import attention_bwd_p, attention_fwd_p
 
 STRATEGIES = ("ring", "all_gather")
 
-# flash_attention keywords whose positions or layouts are not offset per block here.
-_UNSUPPORTED = ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
-                "alibi_slopes", "dropout_rate", "dropout_rng")
+# flash_attention keywords that need each block's global positions inside the kernels.
+_UNSUPPORTED = ("local_window_size", "alibi_slopes", "dropout_rate", "dropout_rng")
 
 
 def _balanced_chunk_order(n: int) -> np.ndarray:
@@ -82,46 +88,151 @@ class _Ring:
     implementation: str | None
 
 
+class _Keywords(NamedTuple):
+    """The operands of one call besides q, k, v, batched: segment ids of this device's queries and
+    of the keys in hand; bias (float32) and mask (bool) of this device's query rows against every
+    key of the global sequence, rank 4 with broadcast axes of size 1; global valid lengths [B]."""
+    q_ids: Optional[jax.Array] = None
+    kv_ids: Optional[jax.Array] = None
+    bias: Optional[jax.Array] = None
+    mask: Optional[jax.Array] = None
+    q_lengths: Optional[jax.Array] = None
+    kv_lengths: Optional[jax.Array] = None
+
+
 def _vary_like(x, ref):
     """x marked as varying over the manual axes `ref` varies over (lax.cond's branches and
     concatenations need equal types inside shard_map)."""
     return pcast_varying(x, tuple(varying_axes(jax.typeof(ref)) - varying_axes(jax.typeof(x))))
 
 
-def _canonical(ring, q, k, q_ids, kv_ids, causal):
-    return _options.canonicalize(q.shape, False, k_len=k.shape[1], is_causal=causal,
-                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, softcap=ring.softcap,
-                                 deterministic=ring.deterministic)
+def _chunks(ring, device, size):
+    """(local start, length, global start) of each sequence chunk in `device`'s block of `size`
+    rows: chunks device and 2n - 1 - device when load-balanced, else block `device`."""
+    if not ring.balanced:
+        return [(0, size, device * size)]
+    half = size // 2
+    return [(0, half, device * half), (half, half, (2 * ring.n - 1 - device) * half)]
 
 
-def _block_forward(ring, q, k, v, q_ids, kv_ids, causal):
-    """(out float32, lse) of q against one K/V block."""
-    config, extras = _canonical(ring, q, k, q_ids, kv_ids, causal)
-    o, lse = attention_fwd_p.bind(q, k, v, *extra_operands(extras.bias, extras[1:]),
-                                  scale=ring.scale, config=config,
-                                  implementation=ring.implementation)
-    return o.astype(jnp.float32), lse
+def _valid_count(ring, lengths, device, size, lo, hi):
+    """int32 [B]: how many of the local rows [lo, hi) of `device`'s block lie before the global
+    valid lengths (None without lengths). Padding sits at the end of the global sequence, so in
+    either layout the valid rows of a block, and of any of its row ranges, are a prefix of it."""
+    if lengths is None:
+        return None
+    count = jnp.zeros_like(lengths)
+    for start, length, global_start in _chunks(ring, device, size):
+        first, last = max(start, lo), min(start + length, hi)
+        if first < last:
+            count = count + jnp.clip(lengths - (global_start + first - start), 0, last - first)
+    return count.astype(jnp.int32)
 
 
-def _block_backward(ring, q, k, v, o, lse, do, dlse, q_ids, kv_ids, causal):
-    """Float32 (dq, dk, dv) of one block, from the final output and LSE of the whole ring."""
-    config, extras = _canonical(ring, q, k, q_ids, kv_ids, causal)
-    dq, dk, dv, _, _ = attention_bwd_p.bind(q, k, v, o, lse, do, dlse,
-                                            *extra_operands(extras.bias, extras[1:]),
-                                            scale=ring.scale, config=config,
-                                            implementation=ring.implementation)
-    return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
+def _cut(x, rows, cols, key_start):
+    """The part of a bias or mask of this device's query rows against every key that pairs local
+    rows [rows) with keys key_start + [cols) (key_start may be traced); broadcast axes stay 1."""
+    if x is None:
+        return None
+    if x.shape[2] != 1:
+        x = x[:, :, rows[0]:rows[1]]
+    if x.shape[3] != 1 and cols[1] - cols[0] != x.shape[3]:
+        x = jax.lax.dynamic_slice_in_dim(x, key_start + cols[0], cols[1] - cols[0], axis=3)
+    return x
 
 
 def _rows(x, start, stop):
     return None if x is None else x[:, start:stop]
 
 
-def _pad_rows(x, before, after, fill, ref):
-    """x with `before` / `after` rows of `fill` around it along axis 1, typed like ref."""
+def _pad_axis(x, axis, before, after, fill, ref):
+    """x with `before` / `after` entries of `fill` around it along `axis`, typed like ref."""
     pad = [(0, 0)] * x.ndim
-    pad[1] = (before, after)
+    pad[axis] = (before, after)
     return _vary_like(jnp.pad(x, pad, constant_values=fill), ref)
+
+
+def _pad_rows(x, before, after, fill, ref):
+    return _pad_axis(x, 1, before, after, fill, ref)
+
+
+# What each kind of ring step computes: (query rows, key columns of the block as fractions of
+# the block, causal); "skip" computes nothing.
+_PIECES = {"full": ((0, 1), (0, 1), False), "diagonal": ((0, 1), (0, 1), True),
+           "first_keys": ((0, 1), (0, 0.5), False),   # all queries, an earlier device's first chunk
+           "last_queries": ((0.5, 1), (0, 1), False)}  # the second query chunk, a later device's block
+
+
+def _piece(kind, T, S):
+    (r0, r1), (c0, c1), causal = _PIECES[kind]
+    return (int(r0 * T), int(r1 * T)), (int(c0 * S), int(c1 * S)), causal
+
+
+def _canonical(ring, q, k, kw, kv_ids, rank, source, piece):
+    """(MaskConfig, Extras) of one piece (query rows, key columns, causal) of q against the
+    block of `source`: the lengths clipped to it and the bias/mask cut to it."""
+    T, S = q.shape[1], k.shape[1]
+    rows, cols, causal = piece
+    q_piece, k_piece = q[:, rows[0]:rows[1]], k[:, cols[0]:cols[1]]
+    config, extras = _options.canonicalize(
+        q_piece.shape, False, k_len=k_piece.shape[1], is_causal=causal,
+        bias=_cut(kw.bias, rows, cols, source * S), mask=_cut(kw.mask, rows, cols, source * S),
+        query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, *rows),
+        key_value_seq_lengths=_valid_count(ring, kw.kv_lengths, source, S, *cols),
+        q_segment_ids=_rows(kw.q_ids, *rows), kv_segment_ids=_rows(kv_ids, *cols),
+        softcap=ring.softcap, deterministic=ring.deterministic)
+    return config, extras
+
+
+def _forward_kind(ring, kind, q, k, v, kw, kv_ids, rank, source):
+    """(out float32, lse) of all of q against the block in hand, zero / -inf where unseen."""
+    T, Hv = q.shape[1], v.shape[-1]
+    if kind == "skip":
+        o = jnp.zeros(q.shape[:3] + (Hv,), jnp.float32)
+        return _vary_like(o, q), _vary_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
+    piece = _piece(kind, T, k.shape[1])
+    (r0, r1), (c0, c1), _ = piece
+    config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, piece)
+    o, lse = attention_fwd_p.bind(q[:, r0:r1], k[:, c0:c1], v[:, c0:c1],
+                                  *extra_operands(extras.bias, extras[1:]), scale=ring.scale,
+                                  config=config, implementation=ring.implementation)
+    return (_pad_rows(o.astype(jnp.float32), r0, T - r1, 0.0, q),
+            _pad_rows(lse, r0, T - r1, -jnp.inf, q))
+
+
+def _bias_block_shape(bias, T, S):
+    """The shape of a bias's gradient against one block: [B|1, N|1, T|1, S|1]."""
+    return bias.shape[:2] + (T if bias.shape[2] != 1 else 1, S if bias.shape[3] != 1 else 1)
+
+
+def _backward_kind(ring, kind, q, k, v, o, lse, do, dlse, kw, kv_ids, rank, source):
+    """Float32 (dq, dk, dv, dbias) of one block, from the final output and LSE of the whole ring;
+    dbias (None without bias) covers this device's rows and the block's keys."""
+    T, S = q.shape[1], k.shape[1]
+    zeros = lambda shape: _vary_like(jnp.zeros(shape, jnp.float32), q)  # noqa: E731
+    if kind == "skip":
+        dbias = None if kw.bias is None else zeros(_bias_block_shape(kw.bias, T, S))
+        return zeros(q.shape), zeros(k.shape), zeros(v.shape), dbias
+    piece = _piece(kind, T, S)
+    (r0, r1), (c0, c1), _ = piece
+    config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, piece)
+    rows = lambda x: x[:, r0:r1]  # noqa: E731
+    dq, dk, dv, dbias, _ = attention_bwd_p.bind(
+        rows(q), k[:, c0:c1], v[:, c0:c1], rows(o), rows(lse), rows(do), rows(dlse),
+        *extra_operands(extras.bias, extras[1:]), scale=ring.scale, config=config,
+        implementation=ring.implementation)
+    dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
+    if kw.bias is not None:
+        dbias = dbias.astype(jnp.float32)
+        if dbias.shape[2] != 1:
+            dbias = _pad_axis(dbias, 2, r0, T - r1, 0.0, q)
+        if dbias.shape[3] != 1:
+            dbias = _pad_axis(dbias, 3, c0, S - c1, 0.0, q)
+        dbias = _vary_like(dbias, q)
+    else:
+        dbias = None
+    return (_pad_rows(dq, r0, T - r1, 0.0, q), _pad_rows(dk, c0, S - c1, 0.0, q),
+            _pad_rows(dv, c0, S - c1, 0.0, q), dbias)
 
 
 def _step_kind(ring, step, rank):
@@ -134,43 +245,6 @@ def _step_kind(ring, step, rank):
         return "diagonal"
     earlier = (rank - step) % ring.n < rank
     return (("first_keys", "last_queries") if ring.balanced else ("full", "skip")), earlier
-
-
-def _forward_kind(ring, kind, q, k, v, q_ids, kv_ids):
-    T, Hv = q.shape[1], v.shape[-1]
-    half_q, half_k = T // 2, k.shape[1] // 2
-    if kind == "skip":
-        o = jnp.zeros(q.shape[:3] + (Hv,), jnp.float32)
-        return _vary_like(o, q), _vary_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
-    if kind == "first_keys":  # every query sees the earlier device's first chunk in full
-        o, lse = _block_forward(ring, q, k[:, :half_k], v[:, :half_k], q_ids, _rows(kv_ids, 0, half_k),
-                                False)
-        return _vary_like(o, q), _vary_like(lse, q)
-    if kind == "last_queries":  # only the second query chunk sees a later device's block
-        o, lse = _block_forward(ring, q[:, half_q:], k, v, _rows(q_ids, half_q, T), kv_ids, False)
-        return _pad_rows(o, half_q, 0, 0.0, q), _pad_rows(lse, half_q, 0, -jnp.inf, q)
-    o, lse = _block_forward(ring, q, k, v, q_ids, kv_ids, kind == "diagonal")
-    return _vary_like(o, q), _vary_like(lse, q)
-
-
-def _backward_kind(ring, kind, q, k, v, o, lse, do, dlse, q_ids, kv_ids):
-    T, S = q.shape[1], k.shape[1]
-    half_q, half_k = T // 2, S // 2
-    zeros = lambda x: _vary_like(jnp.zeros(x.shape, jnp.float32), q)  # noqa: E731
-    if kind == "skip":
-        return zeros(q), zeros(k), zeros(v)
-    if kind == "first_keys":
-        dq, dk, dv = _block_backward(ring, q, k[:, :half_k], v[:, :half_k], o, lse, do, dlse, q_ids,
-                                     _rows(kv_ids, 0, half_k), False)
-        return (_vary_like(dq, q), _pad_rows(dk, 0, S - half_k, 0.0, q),
-                _pad_rows(dv, 0, S - half_k, 0.0, q))
-    if kind == "last_queries":
-        rows = lambda x: x[:, half_q:]  # noqa: E731
-        dq, dk, dv = _block_backward(ring, rows(q), k, v, rows(o), rows(lse), rows(do), rows(dlse),
-                                     _rows(q_ids, half_q, T), kv_ids, False)
-        return _pad_rows(dq, half_q, 0, 0.0, q), _vary_like(dk, q), _vary_like(dv, q)
-    dq, dk, dv = _block_backward(ring, q, k, v, o, lse, do, dlse, q_ids, kv_ids, kind == "diagonal")
-    return _vary_like(dq, q), _vary_like(dk, q), _vary_like(dv, q)
 
 
 def _run_step(ring, step, rank, compute):
@@ -187,92 +261,138 @@ def _send_to_next(ring, x):
 
 
 def _merge(o, lse, o_block, lse_block):
-    """Two partial attentions over disjoint key sets, combined through their log-sum-exps."""
-    new = jnp.logaddexp(lse, lse_block)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)  # rows that see no key yet stay 0 and -inf
-    scale_old = jnp.exp(lse - safe)[..., None]
-    scale_block = jnp.exp(lse_block - safe)[..., None]
-    return o * scale_old + o_block * scale_block, new
+    """Two partial attentions over disjoint key sets (float32), combined through their
+    log-sum-exps; rows neither sees stay 0 and -inf, with finite gradients everywhere."""
+    top = jax.lax.stop_gradient(jnp.maximum(lse, lse_block))  # the result does not depend on it
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight, weight_block = jnp.exp(lse - top), jnp.exp(lse_block - top)
+    total = weight + weight_block
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)
+    o = (o * weight[..., None] + o_block * weight_block[..., None]) / total[..., None]
+    return o, jnp.where(seen, jnp.log(total) + top, -jnp.inf)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_attention(q, k, v, q_ids, kv_ids, ring):
-    return _ring_forward(q, k, v, q_ids, kv_ids, ring)
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring_attention(q, k, v, kw, ring):
+    return _ring_forward(q, k, v, kw, ring)
 
 
-def _ring_forward(q, k, v, q_ids, kv_ids, ring):
+def _ring_forward(q, k, v, kw, ring):
     rank = jax.lax.axis_index(ring.axis_name)
     o = _vary_like(jnp.zeros(q.shape[:3] + (v.shape[-1],), jnp.float32), q)
     lse = _vary_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
-    block = (k, v, kv_ids)
+    block = (k, v, kw.kv_ids)
     for step in range(ring.n):
         if step + 1 < ring.n:
             incoming = _send_to_next(ring, block)
+        source = (rank - step) % ring.n
         o_block, lse_block = _run_step(
-            ring, step, rank, lambda kind: _forward_kind(ring, kind, q, *block[:2], q_ids, block[2]))
+            ring, step, rank,
+            lambda kind: _forward_kind(ring, kind, q, *block[:2], kw, block[2], rank, source))
         o, lse = _merge(o, lse, o_block, lse_block)
         if step + 1 < ring.n:
             block = incoming
     return o.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
-    o, lse = _ring_forward(q, k, v, q_ids, kv_ids, ring)
-    return (o, lse), (q, k, v, q_ids, kv_ids, o, lse)
+def _ring_fwd(q, k, v, kw, ring):
+    o, lse = _ring_forward(q, k, v, kw, ring)
+    return (o, lse), (q, k, v, kw, o, lse)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-    q, k, v, q_ids, kv_ids, o, lse = residuals
+    q, k, v, kw, o, lse = residuals
     do, dlse = cotangents
     do = jnp.asarray(do, o.dtype)
     dlse = jnp.asarray(dlse, jnp.float32)
     rank = jax.lax.axis_index(ring.axis_name)
+    S = k.shape[1]
     dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
+    # The bias belongs to this device's rows, so its gradient stays here: each step fills the
+    # columns of the block in hand (every block passes once).
+    dbias = None if kw.bias is None else _vary_like(jnp.zeros(kw.bias.shape, jnp.float32), q)
     # Each block's dK/dV accumulator travels with the block and, after the last step, one more
     # hop brings it home to the block's owner.
     dkv = (_vary_like(jnp.zeros(k.shape, jnp.float32), q), _vary_like(jnp.zeros(v.shape, jnp.float32), q))
-    block = (k, v, kv_ids)
+    block = (k, v, kw.kv_ids)
     for step in range(ring.n):
         if step + 1 < ring.n:
             incoming = _send_to_next(ring, block)
-        dq_block, dk_block, dv_block = _run_step(
+        source = (rank - step) % ring.n
+        dq_block, dk_block, dv_block, dbias_block = _run_step(
             ring, step, rank,
-            lambda kind: _backward_kind(ring, kind, q, *block[:2], o, lse, do, dlse, q_ids, block[2]))
+            lambda kind: _backward_kind(ring, kind, q, *block[:2], o, lse, do, dlse, kw, block[2],
+                                        rank, source))
         dq = dq + dq_block
+        if dbias is not None:
+            dbias = (dbias + dbias_block if dbias.shape[3] == 1 else
+                     jax.lax.dynamic_update_slice_in_dim(dbias, dbias_block, source * S, axis=3))
         dkv = _send_to_next(ring, (dkv[0] + dk_block, dkv[1] + dv_block))
         if step + 1 < ring.n:
             block = incoming
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+    d_kw = _Keywords(bias=dbias)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), d_kw
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _all_gather_attention(q, k, v, q_ids, kv_ids, ring):
+def _keys_in_sequence_order(x, ring, axis):
+    """A gathered key-indexed array from the load-balanced layout back to sequence order."""
+    if x is None or x.shape[axis] == 1 or not ring.balanced:
+        return x
+    return load_balance(x, axis, ring.n, inverse=True)
+
+
+def _all_gather_attention(q, k, v, kw, ring):
     gather = lambda x: None if x is None else jax.lax.all_gather(x, ring.axis_name, axis=1, tiled=True)  # noqa: E731
-    k_all, v_all, kv_ids_all = gather(k), gather(v), gather(kv_ids)
+    k_all, v_all, kv_ids_all = gather(k), gather(v), gather(kw.kv_ids)
     keywords = dict(scale=ring.scale, softcap=ring.softcap, deterministic=ring.deterministic,
                     implementation=ring.implementation, return_lse=True)
-    if not ring.causal:
-        return flash_attention(q, k_all, v_all, q_segment_ids=q_ids, kv_segment_ids=kv_ids_all,
-                               **keywords)
-    if ring.balanced:  # back to sequence order, where a key's index is its position
-        k_all, v_all = (load_balance(x, 1, ring.n, inverse=True) for x in (k_all, v_all))
-        if kv_ids_all is not None:
-            kv_ids_all = load_balance(kv_ids_all, 1, ring.n, inverse=True)
     rank = jax.lax.axis_index(ring.axis_name)
-    T, B = q.shape[1], q.shape[0]
-    chunk_of = [(0, rank), (T // 2, 2 * ring.n - 1 - rank)] if ring.balanced else [(0, rank)]
-    size = T // len(chunk_of)
+    B, T = q.shape[:2]
+    if not ring.causal:
+        return flash_attention(q, k_all, v_all, bias=kw.bias, mask=kw.mask,
+                               query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, 0, T),
+                               key_value_seq_lengths=kw.kv_lengths, q_segment_ids=kw.q_ids,
+                               kv_segment_ids=kv_ids_all, **keywords)
+    # In sequence order a key's index is its position (and the bias/mask columns follow the keys).
+    k_all, v_all, kv_ids_all = (_keys_in_sequence_order(x, ring, 1) for x in (k_all, v_all, kv_ids_all))
+    bias, mask = (_keys_in_sequence_order(x, ring, 3) for x in (kw.bias, kw.mask))
+    S_all = k_all.shape[1]
     outs, lses = [], []
-    for start, chunk in chunk_of:
-        # Bottom-right alignment with the chunk's key prefix as the key length puts its query i at
-        # global position chunk · size + i; the kernels skip the keys past the prefix.
-        prefix = jnp.full((B,), (chunk + 1) * size, jnp.int32)
-        o, lse = flash_attention(q[:, start:start + size], k_all, v_all, is_causal=True,
-                                 causal_alignment="bottom_right", key_value_seq_lengths=prefix,
-                                 q_segment_ids=_rows(q_ids, start, start + size),
-                                 kv_segment_ids=kv_ids_all, **keywords)
+    for start, size, global_start in _chunks(ring, rank, T):
+        rows = (start, start + size)
+        q_chunk = q[:, start:start + size]
+        q_lengths = _valid_count(ring, kw.q_lengths, rank, T, *rows)
+        chunk = dict(q_segment_ids=_rows(kw.q_ids, *rows), query_seq_lengths=q_lengths, **keywords)
+        if kw.kv_lengths is None:
+            # Bottom-right alignment with the chunk's key prefix as the key length puts its query i
+            # at global position global_start + i; the kernels skip the keys past the prefix.
+            prefix = global_start + (size if q_lengths is None else q_lengths)
+            o, lse = flash_attention(q_chunk, k_all, v_all, is_causal=True,
+                                     causal_alignment="bottom_right",
+                                     key_value_seq_lengths=jnp.broadcast_to(prefix, (B,)).astype(jnp.int32),
+                                     bias=_cut(bias, rows, (0, S_all), 0),
+                                     mask=_cut(mask, rows, (0, S_all), 0),
+                                     kv_segment_ids=kv_ids_all, **chunk)
+        else:
+            # Valid key lengths would move a bottom-right diagonal: the keys before the chunk
+            # (all visible) and the chunk's own keys (causal, top-left) are two calls.
+            o_before, lse_before = flash_attention(
+                q_chunk, k_all, v_all, key_value_seq_lengths=jnp.minimum(kw.kv_lengths, global_start),
+                bias=_cut(bias, rows, (0, S_all), 0), mask=_cut(mask, rows, (0, S_all), 0),
+                kv_segment_ids=kv_ids_all, **chunk)
+            own = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, global_start, size, axis=1)  # noqa: E731
+            o_own, lse_own = flash_attention(
+                q_chunk, own(k_all), own(v_all), is_causal=True,
+                key_value_seq_lengths=jnp.clip(kw.kv_lengths - global_start, 0, size).astype(jnp.int32),
+                bias=_cut(bias, rows, (0, size), global_start),
+                mask=_cut(mask, rows, (0, size), global_start),
+                kv_segment_ids=own(kv_ids_all), **chunk)
+            o, lse = _merge(o_before.astype(jnp.float32), lse_before, o_own.astype(jnp.float32), lse_own)
+            o = o.astype(q.dtype)
         outs.append(o)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
@@ -284,9 +404,9 @@ def _check(query, key, value, axis_name, strategy, is_causal, load_balanced, key
             raise TypeError(f"context_parallel_attention got an unexpected keyword {name!r}")
         if value_ is not None and not (name == "dropout_rate" and value_ == 0.0):
             raise ValueError(f"context_parallel_attention does not support {name} across shards "
-                             "(positions and masks beyond causality are not offset per block); "
-                             "use flash_attention under jit, which keeps the query sequence "
-                             "sharded where it can")
+                             "yet (windows, ALiBi and dropout need each block's global positions "
+                             "inside the kernels); use flash_attention under jit, which keeps the "
+                             "query sequence sharded where it can")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     for name, flag in (("is_causal", is_causal), ("load_balanced", load_balanced)):
@@ -311,28 +431,66 @@ def _check(query, key, value, axis_name, strategy, is_causal, load_balanced, key
     return n
 
 
+def _pairwise(x, name, query, key, n):
+    """A bias or mask of this device's query rows against every key, as rank 4 [B|1, N|1, T|1,
+    S_total|1] (float32 bias, bool mask), checked against the call."""
+    if x is None:
+        return None
+    is_mask = name == "mask"
+    if is_mask and isinstance(x, PackedMask):
+        raise TypeError("context_parallel_attention takes a boolean mask, not a PackedMask (its "
+                        "tiles describe one whole call and are not cut per block): pass "
+                        "mask.unpack() sharded like the queries")
+    (B, T, N, _), S_total = query.shape, n * key.shape[1]
+    try:
+        x = _options._bnts(x, name, B, N, T, S_total, is_mask)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {jnp.shape(x)} is not broadcastable to [B, N, T, S] = "
+            f"{(B, N, T, S_total)}: this device's {T} query rows (sharded like the queries) "
+            f"against all {S_total} keys of the global sequence (not sharded)") from None
+    return x if is_mask else x.astype(jnp.float32)
+
+
 def context_parallel_attention(query, key, value, *, axis_name, strategy="ring", load_balanced=True,
-                               is_causal=False, scale=None, return_lse=False, q_segment_ids=None,
-                               kv_segment_ids=None, softcap=None, causal_alignment="top_left",
-                               deterministic=False, implementation=None, **keywords):
+                               is_causal=False, scale=None, return_lse=False, bias=None, mask=None,
+                               query_seq_lengths=None, key_value_seq_lengths=None,
+                               q_segment_ids=None, kv_segment_ids=None, softcap=None,
+                               causal_alignment="top_left", deterministic=False,
+                               implementation=None, **keywords):
     """Attention over a sequence split along the mesh axis `axis_name`, inside `shard_map`.
 
     Each device passes its block of the sequence: query [B, T/n, N, H], key [B, S/n, K, H],
     value [B, S/n, K, Hv] (and segment ids [B, T/n], [B, S/n]), in sequence order, or with
     `load_balanced=True` and `is_causal=True` in the layout of `load_balance` (device i holds
-    chunks i and 2n - 1 - i; load_balanced has no effect without is_causal). The result is this
-    device's block of flash_attention on the whole sequence, to float32 round-off, forward and
-    gradients.
+    chunks i and 2n - 1 - i; load_balanced has no effect without is_causal, where every input,
+    the bias and mask included, is in sequence order). The result is this device's block of
+    flash_attention on the whole sequence, to float32 round-off, forward and gradients (bias
+    included).
 
     Args:
       axis_name: the shard_map axis the sequence is split over.
       strategy: 'ring' (K/V blocks passed around with ppermute; O(S/n) memory) or 'all_gather'
         (K/V gathered once; cheaper when K/V are small, as with GQA).
-      is_causal: causal attention over the global sequence (T = S; both alignments agree).
+      is_causal: causal attention over the global sequence (T = S; both alignments agree, except
+        with lengths, see below).
+      bias, mask: float / boolean, broadcastable to [B, N, T/n, S]: this device's query rows
+        (sharded like the queries, in their layout) against every key of the global sequence
+        (the key axis is not sharded), the keys in the order of the arrays passed, i.e. the
+        concatenation of the devices' key blocks. For a global [B, N, T, S] bias of a
+        load-balanced call that is load_balance(load_balance(bias, -2, n), -1, n) with the
+        query axis sharded. Axes of size 1 broadcast (a [B, 1, 1, S] key bias is passed whole
+        to every device). The bias is differentiable. A PackedMask is refused: pass its
+        unpack().
+      query_seq_lengths, key_value_seq_lengths: int32 [B], the global valid lengths (padding at
+        the end of the global sequence, whatever the layout), the same on every device.
+        With is_causal=True they need causal_alignment='top_left': bottom-right alignment moves
+        the diagonal with the valid lengths, which no per-block call expresses, so that
+        combination raises a ValueError (with equal query and key lengths both alignments agree).
       scale, return_lse, q_segment_ids, kv_segment_ids (packed documents may span devices),
-      softcap, deterministic, implementation: as in flash_attention.
-      Other flash_attention keywords (bias, mask, lengths, window, ALiBi, dropout) raise a
-      ValueError naming them.
+      softcap, causal_alignment, deterministic, implementation: as in flash_attention.
+      local_window_size, alibi_slopes and dropout need global positions inside the kernels and
+      raise a ValueError naming them.
 
     Returns:
       out [B, T/n, N, Hv], or (out, lse) with lse float32 [B, T/n, N].
@@ -341,23 +499,35 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
     n = _check(query, key, value, axis_name, strategy, is_causal, load_balanced, keywords)
     if causal_alignment not in _options.ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {_options.ALIGNMENTS}, got {causal_alignment!r}")
+    given_lengths = [name for name, x in (("query_seq_lengths", query_seq_lengths),
+                                          ("key_value_seq_lengths", key_value_seq_lengths))
+                     if x is not None]
+    if is_causal and causal_alignment == "bottom_right" and given_lengths:
+        raise ValueError(f"context_parallel_attention: is_causal=True with "
+                         f"causal_alignment='bottom_right' and {' and '.join(given_lengths)} "
+                         "places each query at its position plus the difference of the valid "
+                         "lengths, which per-block calls cannot express; use "
+                         "causal_alignment='top_left' (the same when the lengths are equal)")
     scale = _validate.check_scale(scale, query.shape[-1])
     implementation = _validate.check_implementation(implementation)
-    # Validates the remaining keywords and segment ids on the local block.
-    _options.canonicalize(query.shape, False, k_len=key.shape[1], is_causal=bool(is_causal),
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                          softcap=softcap, deterministic=deterministic)
-    q_ids = None if q_segment_ids is None else jnp.asarray(q_segment_ids)
-    kv_ids = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+    # Validates the remaining keywords, segment ids and lengths on the local block.
+    _, local = _options.canonicalize(query.shape, False, k_len=key.shape[1], is_causal=bool(is_causal),
+                                     query_seq_lengths=query_seq_lengths,
+                                     key_value_seq_lengths=key_value_seq_lengths,
+                                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                     softcap=softcap, deterministic=deterministic)
+    kw = _Keywords(local.q_segment_ids, local.kv_segment_ids, _pairwise(bias, "bias", query, key, n),
+                   _pairwise(mask, "mask", query, key, n), local.query_seq_lengths,
+                   local.key_value_seq_lengths)
     if scale < 0:  # as in flash_attention: the kernels stabilise by the largest logit
         query, scale = -query, -scale
     elif scale == 0:
         query, scale = jnp.zeros_like(query), 1.0
     ring = _Ring(axis_name, n, bool(is_causal), bool(load_balanced and is_causal), scale,
                  None if softcap is None else float(softcap), bool(deterministic), implementation)
-    query, key, value, q_ids, kv_ids = vary_together(query, key, value, q_ids, kv_ids)
+    query, key, value, kw = vary_together(query, key, value, kw)
     if strategy == "ring":
-        out, lse = _ring_attention(query, key, value, q_ids, kv_ids, ring)
+        out, lse = _ring_attention(query, key, value, kw, ring)
     else:
-        out, lse = _all_gather_attention(query, key, value, q_ids, kv_ids, ring)
+        out, lse = _all_gather_attention(query, key, value, kw, ring)
     return (out, lse) if return_lse else out

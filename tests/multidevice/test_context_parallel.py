@@ -142,7 +142,7 @@ def test_load_balance_layout():
 
 @pytest.mark.parametrize("keyword,value", [("dropout_rate", 0.1), ("local_window_size", 4),
                                            ("alibi_slopes", jnp.ones(4)),
-                                           ("key_value_seq_lengths", jnp.ones(2, jnp.int32))])
+                                           ("dropout_rng", jax.random.key(0))])
 def test_keywords_that_do_not_cross_shards_are_refused(keyword, value):
     mesh = cpu_mesh((2,), ("cp",))
     q, k, v, *_ = problem(0, T=16)
