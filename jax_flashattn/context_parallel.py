@@ -173,9 +173,8 @@ def _canonical(ring, q, k, kw, kv_ids, rank, source, piece):
     block of `source`: the lengths clipped to it and the bias/mask cut to it."""
     T, S = q.shape[1], k.shape[1]
     rows, cols, causal = piece
-    q_piece, k_piece = q[:, rows[0]:rows[1]], k[:, cols[0]:cols[1]]
     config, extras = _options.canonicalize(
-        q_piece.shape, False, k_len=k_piece.shape[1], is_causal=causal,
+        (q.shape[0], rows[1] - rows[0]) + q.shape[2:], False, k_len=cols[1] - cols[0], is_causal=causal,
         bias=_cut(kw.bias, rows, cols, source * S), mask=_cut(kw.mask, rows, cols, source * S),
         query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, *rows),
         key_value_seq_lengths=_valid_count(ring, kw.kv_lengths, source, S, *cols),

@@ -32,7 +32,7 @@ def problem(seed, *, B=3, T=40, N=4, K=2, H=16, bias_shape=None, mask_shape=None
             cotangents)
 
 
-def context_parallel(mesh, n, balanced, **kw):
+def context_parallel(mesh, n, balanced, check_vma=True, **kw):
     """flash_attention's (out, lse) of global arrays (bias and mask [B|1, N|1, T|1, S|1] in
     sequence order), computed by context_parallel_attention over mesh axis 'cp': the inputs are
     put in the load-balanced layout (the bias and mask on both sequence axes), the query axis of
@@ -55,7 +55,7 @@ def context_parallel(mesh, n, balanced, **kw):
                 q_segment_ids=ids, kv_segment_ids=ids, bias=bias, mask=mask,
                 query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **kw),
             mesh=mesh, in_specs=(seq,) * 4 + (pairwise_spec(bias), pairwise_spec(mask), P(), P()),
-            out_specs=(seq, seq))
+            out_specs=(seq, seq), check_vma=check_vma)
         out, lse = body(*(arrange(x, [1]) for x in (q, k, v, ids)), arrange(bias, [2, 3]),
                         arrange(mask, [2, 3]), q_len, kv_len)
         return arrange(out, [1], inverse=True), arrange(lse, [1], inverse=True)
@@ -125,16 +125,21 @@ def test_matches_single_device(strategy, layout, keywords):
     assert_matches(seed, got, ref)
 
 
-@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("n,check_vma", [(2, True), (8, True), (4, False)],
+                         ids=["2dev", "8dev", "4dev-no_check_vma"])
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_other_device_counts(strategy, n):
+def test_other_device_counts_and_check_vma(strategy, n, check_vma):
     mesh = cpu_mesh((n,), ("cp",))
     seed = fresh_seed()
+    # The bias is shared by the batch; the key bias of check_vma=False is replicated (P()), whose
+    # gradient is the sum of every device's share.
+    bias_shape = (1, 6, 48, 48) if check_vma else (1, 6, 1, 48)
     q, k, v, ids, bias, mask, q_len, kv_len, cotangents = problem(
-        seed, T=48, N=6, K=3, bias_shape=(1, 6, 48, 48), mask_shape=(3, 1, 48, 48))
+        seed, T=48, N=6, K=3, bias_shape=bias_shape, mask_shape=(3, 1, 48, 48))
     kw = dict(strategy=strategy, is_causal=True, softcap=4.0)
     args = (q, k, v, ids, bias, mask, q_len, kv_len, cotangents)
-    got = jax.jit(lambda *a: forward_and_grads(context_parallel(mesh, n, True, **kw), *a))(*args)
+    f = context_parallel(mesh, n, True, check_vma, **kw)
+    got = jax.jit(lambda *a: forward_and_grads(f, *a))(*args)
     ref = forward_and_grads(lambda *a: single_device(*a, **kw), *args)
     assert_matches(seed, got, ref)
 
