@@ -48,6 +48,9 @@ class Extras(NamedTuple):
     kv_segment_ids: Optional[jax.Array] = None
     alibi_slopes: Optional[jax.Array] = None
     dropout_seeds: Optional[jax.Array] = None
+    # int32 [B, 2]: where query row 0 and key 0 sit in a longer sequence, for a call on one block
+    # of it (context parallelism, sequence sharding; jfa::MaskParams::positions).
+    positions: Optional[jax.Array] = None
 
     def present(self):
         return [name for name, x in zip(self._fields, self) if x is not None]
@@ -125,8 +128,11 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                  causal_alignment="top_left", q_segment_ids=None, kv_segment_ids=None,
                  softcap=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                 deterministic=False, k_len=None):
-    """(MaskConfig, Extras) for batched BTNH shapes; raises on any bad keyword."""
+                 deterministic=False, k_len=None, positions=None):
+    """(MaskConfig, Extras) for batched BTNH shapes; raises on any bad keyword. `positions`
+    (internal, int32 [2] or [B, 2], non-negative, traced or not): the global positions of query
+    row 0 and key 0 when the call is one block of a longer sequence; the key position must be a
+    multiple of 4 with dropout, which its callers guarantee by their block sizes."""
     B, T, N, _ = q_shape
     S = k_len
     if not isinstance(is_causal, (bool, np.bool_)):
@@ -183,4 +189,10 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
         ex["alibi_slopes"] = slopes.reshape((-1, N)).astype(jnp.float32)
     if rate > 0:
         ex["dropout_seeds"] = _dropout.seeds_for_batch(_dropout.key_words(dropout_rng), B)
+    if positions is not None:
+        positions = jnp.asarray(positions)
+        if positions.dtype != jnp.int32 or positions.shape not in ((2,), (B, 2)):
+            raise ValueError(f"positions must be int32 [2] or [B, 2] with B={B}, got "
+                             f"{positions.dtype} {positions.shape}")
+        ex["positions"] = jnp.broadcast_to(positions, (B, 2))
     return config, Extras(**ex)

@@ -67,7 +67,7 @@ def _query_offsets_supported(config, shapes) -> bool:
     """Whether a device holding a block of the query sequence can compute it on its own with
     the global positions (module docstring); `shapes` are the operands' shapes."""
     extras = shapes[-_NUM_EXTRAS:]
-    if config.dropout_rate or extras[_FIELD["mask_bits"]]:
+    if config.dropout_rate or extras[_FIELD["mask_bits"]] or extras[_FIELD["positions"]]:
         return False
     if not _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0):
         return True
@@ -143,7 +143,7 @@ def _operand_specs(plan, shapes, backward):
             specs.append(P(b))
         elif name == "q_segment_ids":
             specs.append(P(b, t))
-        elif name in ("kv_segment_ids", "dropout_seeds"):
+        elif name in ("kv_segment_ids", "dropout_seeds", "positions"):
             specs.append(P(b, None))
         else:  # alibi_slopes [1 or B, N]
             specs.append(P(b if shape[0] == B else None, n))
@@ -322,7 +322,7 @@ def _operand_factors(shapes, heads, backward, fresh):
             mappings.append(("b", "t"))
         elif name == "kv_segment_ids":
             mappings.append(("b", "s"))
-        elif name == "dropout_seeds":
+        elif name in ("dropout_seeds", "positions"):
             mappings.append(("b", fresh()))
         else:  # alibi_slopes [1 or B, N]
             mappings.append(dims(shape, ("b", heads), (B, N)))

@@ -22,16 +22,17 @@ using ffi_decode::MaskOperands;
 ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                       ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_tiles, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                       ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                      ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
+                      ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions,
                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
                       int32_t is_causal, int32_t bottom_right, int64_t window_left,
                       int64_t window_right, float softcap, float dropout_rate) {
   cpu::CpuAttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
   const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds};
+                           dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::check_positions_on_host(p); e.failure()) return e;
   if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.packed_mask); e.failure()) return e;
   cpu::forward(p);
   return ffi::Error::Success();
@@ -43,7 +44,7 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
-                       ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions, ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dslopes,
                        float scale, int32_t is_causal,
@@ -54,9 +55,10 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
       e.failure())
     return e;
   const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds};
+                           dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
+  if (auto e = ffi_decode::check_positions_on_host(p); e.failure()) return e;
   if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.packed_mask); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/false, &p); e.failure()) return e;
   // The CPU backward adds its partial sums up itself.
@@ -83,6 +85,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCpu, jfa::ForwardCpu,
       .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
       .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
       .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+      .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
       .Ret<xla::ffi::AnyBuffer>()  // o
       .Ret<xla::ffi::AnyBuffer>()  // lse
       .Attr<float>("scale")
@@ -111,6 +114,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCpu, jfa::BackwardCpu,
       .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
       .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
       .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+      .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
       .Ret<xla::ffi::AnyBuffer>()  // dq
       .Ret<xla::ffi::AnyBuffer>()  // dk
       .Ret<xla::ffi::AnyBuffer>()  // dv

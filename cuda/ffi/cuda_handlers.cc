@@ -113,7 +113,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
-                       ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer q_segment_chunks,
+                       ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions, ffi::AnyBuffer q_segment_chunks,
                        ffi::AnyBuffer kv_segment_chunks, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter,
                        float scale, int32_t is_causal,
@@ -122,7 +122,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   AttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
   const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds};
+                           dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
@@ -140,7 +140,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer dlse, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                         ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds,
+                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions,
                         ffi::AnyBuffer q_segment_chunks, ffi::AnyBuffer kv_segment_chunks,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
@@ -153,7 +153,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure())
     return e;
   const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds};
+                           dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
@@ -225,6 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
                                   .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
                                   .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+                                  .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
                                   .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
                                   .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
                                   .Ret<xla::ffi::AnyBuffer>()  // o
@@ -257,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
                                   .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
                                   .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
+                                  .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
                                   .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
                                   .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq

@@ -19,7 +19,8 @@ namespace jfa::ffi_decode {
 
 // The optional operands other than the mask, in the handlers' order.
 struct MaskOperands {
-  ffi::AnyBuffer bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seeds;
+  ffi::AnyBuffer bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seeds,
+      positions;
 };
 
 // The scalar attributes that go with them.
@@ -102,6 +103,20 @@ inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, Attenti
     if (auto e = expect(x.dropout_seeds, "dropout seeds", {p->B, 3}, ffi::DataType::U32); e.failure()) return e;
     m.dropout_seeds = static_cast<const uint32_t*>(x.dropout_seeds.untyped_data());
   }
+  if (present(x.positions)) {  // values: check_positions_on_host where readable (the CPU)
+    if (auto e = expect(x.positions, "positions", {p->B, 2}, ffi::DataType::S32); e.failure()) return e;
+    m.positions = static_cast<const int32_t*>(x.positions.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// The values of the positions operand, where the handler can read them (host memory: the CPU).
+inline ffi::Error check_positions_on_host(const AttentionParams& p) {
+  const int32_t* x = p.mask.positions;
+  for (int64_t b = 0; x != nullptr && b < p.B; ++b)
+    if (x[2 * b] < 0 || x[2 * b + 1] < 0 || (p.mask.has_dropout() && x[2 * b + 1] % 4 != 0))
+      return invalid("positions must be non-negative, the key position a multiple of 4 with dropout; batch " +
+                     std::to_string(b) + " has (" + std::to_string(x[2 * b]) + ", " + std::to_string(x[2 * b + 1]) + ")");
   return ffi::Error::Success();
 }
 

@@ -53,12 +53,14 @@ namespace jfa::sm80 {
 struct DropoutStream {
   uint32_t k0, k1, batch, threshold;
   float keep_scale;
+  uint32_t query0, key0;  // the stream's coordinates of query row 0 and key 0 (MaskParams::positions)
 };
 
 __forceinline__ __device__ DropoutStream dropout_stream(const AttentionParams& p, int64_t b) {
   const uint32_t* seed = p.mask.dropout_seeds + 3 * b;
   return DropoutStream{seed[0], seed[1], seed[2], dropout_threshold(p.mask.dropout_rate),
-                       1.f / (1.f - p.mask.dropout_rate)};
+                       1.f / (1.f - p.mask.dropout_rate), uint32_t(p.mask.query_position0(b)),
+                       uint32_t(p.mask.key_position0(b))};
 }
 
 // Which of a thread's elements of a tile dropout keeps, one bit each (bit mi * kCols + ni of the
@@ -88,7 +90,8 @@ __forceinline__ __device__ auto dropout_keep_bits(const DropoutStream& d, int n,
     for (int ni = 0; ni < kCols; ni += 2) {
       const int key = n0 + get<1>(coords(mi, ni));
       const int query = m0 + get<0>(coords((key & 2) ? mi + 1 : mi, ni));  // the row this lane draws
-      const uint4 w = dropout_words_2x2(d.k0, d.k1, d.batch, uint32_t(n), uint32_t(query), uint32_t(key));
+      const uint4 w = dropout_words_2x2(d.k0, d.k1, d.batch, uint32_t(n), d.query0 + uint32_t(query),
+                                        d.key0 + uint32_t(key));
       const uint32_t word[4] = {w.x, w.y, w.z, w.w};
       const int at[4] = {mi * kCols + ni, mi * kCols + ni + 1, (mi + 1) * kCols + ni, (mi + 1) * kCols + ni + 1};
       CUTE_UNROLL

@@ -52,6 +52,7 @@ struct BwdGeneralBlock {
   SegmentIds kv_ids;  // the key block's segment summary (unknown without segment ids)
   int batch, key0;
   uint32_t k0, k1, stream_batch, threshold;  // dropout: the Philox key, batch coordinate, threshold
+  uint32_t stream_query0, stream_key0;       // and the coordinates of query row 0 and key 0
   float keep_scale;                          // 1 / (1 − rate)
 };
 
@@ -70,6 +71,8 @@ __forceinline__ __device__ BwdGeneralBlock bwd_general_block(const AttentionPara
     b.k1 = __ldg(seed + 1);
     b.stream_batch = __ldg(seed + 2);
     b.threshold = dropout_threshold(p.mask.dropout_rate);
+    b.stream_query0 = uint32_t(p.mask.query_position0(batch));
+    b.stream_key0 = uint32_t(p.mask.key_position0(batch));
     b.keep_scale = 1.f / (1.f - p.mask.dropout_rate);
   }
   return b;
@@ -105,12 +108,13 @@ __forceinline__ __device__ uint4 bwd_dropout_words(const BwdGeneralBlock& b, int
                                                    int c) {
   if constexpr (kQueriesInColumns) {
     return dropout_words_2x2_transposed(b.k0, b.k1, b.stream_batch, uint32_t(head),
-                                        uint32_t(query0 + get<1>(coords(0, c))),
-                                        uint32_t(b.key0 + get<0>(coords(0, c))));
+                                        b.stream_query0 + uint32_t(query0 + get<1>(coords(0, c))),
+                                        b.stream_key0 + uint32_t(b.key0 + get<0>(coords(0, c))));
   } else {
     const int drawn = threadIdx.x & 1;
-    return dropout_words_2x2(b.k0, b.k1, b.stream_batch, uint32_t(head), uint32_t(query0 + get<0>(coords(drawn, c))),
-                             uint32_t(b.key0 + get<1>(coords(0, c))));
+    return dropout_words_2x2(b.k0, b.k1, b.stream_batch, uint32_t(head),
+                             b.stream_query0 + uint32_t(query0 + get<0>(coords(drawn, c))),
+                             b.stream_key0 + uint32_t(b.key0 + get<1>(coords(0, c))));
   }
 }
 

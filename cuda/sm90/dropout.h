@@ -28,6 +28,7 @@ struct DropoutTile {
   uint32_t head;
   uint32_t query;      // the row this thread draws for (jfa::dropout_words_2x2): r0 or r0 + 8
   uint32_t threshold;  // dropped when the word is below it (jfa::dropout_threshold)
+  uint32_t key0;       // the stream's coordinate of key 0 (MaskParams::positions)
 };
 
 // `coords` is the accumulator's identity tensor as (row, col), partitioned for this thread.
@@ -39,7 +40,8 @@ __forceinline__ __device__ DropoutTile dropout_tile(const AttentionParams& p, in
   // The lanes whose keys start a group of 4 (even lanes: column 2 · (lane % 4) of 8) draw row r0.
   const int drawn = threadIdx.x & 1;
   return DropoutTile{__ldg(seed), __ldg(seed + 1), __ldg(seed + 2), uint32_t(head),
-                     uint32_t(m0 + get<0>(coords(drawn, 0))), dropout_threshold(p.mask.dropout_rate)};
+                     uint32_t(p.mask.query_position0(batch) + m0 + get<0>(coords(drawn, 0))),
+                     dropout_threshold(p.mask.dropout_rate), uint32_t(p.mask.key_position0(batch))};
 }
 
 // Zeroes the dropped probabilities of this thread's elements of a key block. `probs` is a
@@ -53,7 +55,8 @@ __forceinline__ __device__ void apply_dropout(Probs& probs, const DropoutTile& d
   static_assert(kCols % 2 == 0);
   CUTE_UNROLL
   for (int c = 0; c < kCols; c += 2) {
-    const uint4 w = dropout_words_2x2(d.k0, d.k1, d.batch, d.head, d.query, uint32_t(col_shift + get<1>(coords0(0, c))));
+    const uint4 w =
+        dropout_words_2x2(d.k0, d.k1, d.batch, d.head, d.query, d.key0 + uint32_t(col_shift + get<1>(coords0(0, c))));
     if (w.x < d.threshold) probs(0, c) = 0.f;
     if (w.y < d.threshold) probs(0, c + 1) = 0.f;
     if (w.z < d.threshold) probs(1, c) = 0.f;

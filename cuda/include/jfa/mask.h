@@ -33,7 +33,7 @@ JFA_HOST_DEVICE SequenceBounds sequence_bounds(const AttentionParams& p, int64_t
   SequenceBounds s;
   s.q_len = clamp_length(p.mask.q_lengths, b, p.T);
   s.kv_len = clamp_length(p.mask.kv_lengths, b, p.S);
-  s.offset = p.mask.bottom_right ? s.kv_len - s.q_len : 0;
+  s.offset = (p.mask.bottom_right ? s.kv_len - s.q_len : 0) + p.mask.query_position0(b) - p.mask.key_position0(b);
   return s;
 }
 

@@ -141,10 +141,21 @@ struct MaskParams {
   float dropout_rate = 0.f;
   const uint32_t* dropout_seeds = nullptr;
 
+  // Where this call's rows sit in a longer sequence, for a call on one block of it (context
+  // parallelism, sequence sharding): int32 [B, 2] = (position of query row 0, position of key 0)
+  // per batch element, non-negative, the key position a multiple of 4 (dropout draws 4
+  // neighbouring keys per Philox call). Causality, windows and ALiBi see row i at position 0 + i
+  // and key j at position 1 + j, and so does the dropout stream. Null: (0, 0). Device memory for
+  // the CUDA kernels.
+  const int32_t* positions = nullptr;
+
   JFA_HOST_DEVICE bool has_score_mod() const {
     return softcap > 0.f || bias != nullptr || alibi_slopes != nullptr;
   }
   JFA_HOST_DEVICE bool has_dropout() const { return dropout_rate > 0.f; }
+  // The positions of query row 0 and key 0 of batch element b (see positions).
+  JFA_HOST_DEVICE int64_t query_position0(int64_t b) const { return positions != nullptr ? positions[2 * b] : 0; }
+  JFA_HOST_DEVICE int64_t key_position0(int64_t b) const { return positions != nullptr ? positions[2 * b + 1] : 0; }
   // The ALiBi slope of batch element b, head n (alibi_slopes given).
   JFA_HOST_DEVICE float alibi_slope(int64_t b, int64_t n) const { return alibi_slopes[b * alibi_batch_stride + n]; }
   // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
@@ -154,7 +165,7 @@ struct MaskParams {
   JFA_HOST_DEVICE bool active() const {
     return bottom_right || window_left >= 0 || window_right >= 0 || q_lengths != nullptr ||
            kv_lengths != nullptr || q_segment_ids != nullptr || mask != nullptr || has_score_mod() ||
-           has_dropout();
+           has_dropout() || positions != nullptr;
   }
 };
 
