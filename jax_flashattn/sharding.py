@@ -21,15 +21,18 @@ call with one keeps the query sequence whole.
 The pack-mask primitive (jax_flashattn.pack_mask) is partitioned the same way: each device packs
 its batch and head slices of the mask, with no collective; T and S stay whole.
 
-Query offsets. With bottom-right alignment the kernels place query i at key position
-i + kv_len - q_len (valid lengths per batch element). A device holding queries [o, o + T_local)
-is given q_len' = clip(Lq - o, 0, T_local) and kv_len' = base + o + q_len', base = Lk - Lq for
-bottom-right calls and 0 for top-left ones, which puts its query i at global position
-o + i + base. kv_len' also hides the keys past it, which only changes nothing when no query sees
-keys after its own position: causal calls, or windows with no right reach; and for top-left
-calls it must not exceed the valid keys (no key lengths, T <= S). Calls without positions (no
-causal mask, window or ALiBi) only need q_len'. Dropout draws its mask from the local query and
-head indices, so with dropout the query sequence and the heads stay whole.
+Query offsets. A device holding queries [o, o + T_local) is given q_len' = clip(Lq - o, 0,
+T_local) where the call has query lengths. Calls that place query i at key position i (top-left
+alignment, or bottom-right with T = S and no lengths) pass the kernels the positions (o, 0) of
+their first query and key (jfa::MaskParams::positions): causality, windows, ALiBi and the dropout
+stream then see the global positions, with nothing else changed. Other bottom-right calls place
+query i at key position i + kv_len - q_len (valid lengths per batch element), so the device is
+given kv_len' = Lk - Lq + o + q_len', which puts its query i at global position o + i + Lk - Lq;
+kv_len' also hides the keys past it, which only changes nothing when no query sees keys after its
+own position (causal calls, or windows with no right reach), and the dropout stream's query
+coordinates would be local: those calls with dropout keep the query sequence whole. Calls without
+positions (no causal mask, window, ALiBi or dropout) only need q_len'. Dropout draws its mask from
+the local head index, so with dropout the heads stay whole.
 """
 from __future__ import annotations
 
@@ -63,11 +66,23 @@ def _uses_positions(config, has_slopes) -> bool:
             or has_slopes)
 
 
+def _top_left(config, shapes) -> bool:
+    """Whether the call places query i at key position i: top-left alignment, or bottom-right
+    with T == S and no valid lengths (`shapes` are the operands' shapes)."""
+    extras = shapes[-_NUM_EXTRAS:]
+    no_lengths = not extras[_FIELD["query_seq_lengths"]] and not extras[_FIELD["key_value_seq_lengths"]]
+    return not config.bottom_right or (shapes[0][1] == shapes[1][1] and no_lengths)
+
+
 def _query_offsets_supported(config, shapes) -> bool:
     """Whether a device holding a block of the query sequence can compute it on its own with
     the global positions (module docstring); `shapes` are the operands' shapes."""
     extras = shapes[-_NUM_EXTRAS:]
-    if config.dropout_rate or extras[_FIELD["mask_bits"]] or extras[_FIELD["positions"]]:
+    if extras[_FIELD["mask_bits"]] or extras[_FIELD["positions"]]:
+        return False
+    if _top_left(config, shapes):
+        return True
+    if config.dropout_rate:
         return False
     if not _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0):
         return True
@@ -182,7 +197,7 @@ def _outside_mesh(lower_fn):
     return traced
 
 
-def _offset_queries(operands, config, query_axes, total_queries):
+def _offset_queries(operands, config, query_axes, total_queries, top_left):
     """The operands and config that make this device's queries sit at their global positions
     (module docstring, 'Query offsets')."""
     q, k = operands[0], operands[1]
@@ -194,10 +209,14 @@ def _offset_queries(operands, config, query_axes, total_queries):
     given_q = q_lengths.ndim != 0
     Lq = jnp.clip(q_lengths, 0, total_queries) if given_q else jnp.full((B,), total_queries, jnp.int32)
     local_q = jnp.clip(Lq - start, 0, T_local).astype(jnp.int32)
-    if not _uses_positions(config, extras[_FIELD["alibi_slopes"]].ndim != 0):
-        if given_q:
-            extras[_FIELD["query_seq_lengths"]] = local_q
+    if given_q:
+        extras[_FIELD["query_seq_lengths"]] = local_q
+    if not _uses_positions(config, extras[_FIELD["alibi_slopes"]].ndim != 0) and not config.dropout_rate:
         return list(operands[:-_NUM_EXTRAS]) + extras, config
+    if top_left:
+        first = jnp.stack([start, 0]).astype(jnp.int32)
+        extras[_FIELD["positions"]] = jnp.broadcast_to(first, (B, 2))
+        return list(operands[:-_NUM_EXTRAS]) + extras, dataclasses.replace(config, bottom_right=False)
     base = 0
     if config.bottom_right:
         Lk = jnp.clip(kv_lengths, 0, S) if kv_lengths.ndim != 0 else S
@@ -208,12 +227,12 @@ def _offset_queries(operands, config, query_axes, total_queries):
     return list(operands[:-_NUM_EXTRAS]) + extras, config
 
 
-def _forward_shard(plan, scale, config, implementation, total_queries):
+def _forward_shard(plan, scale, config, implementation, total_queries, top_left):
     @_outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
-            operands, cfg = _offset_queries(operands, config, plan.query, total_queries)
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, top_left)
         return tuple(attention_fwd_kernel_p.bind(*operands, scale=scale, config=cfg,
                                                  implementation=implementation))
     return lower_fn
@@ -222,12 +241,13 @@ def _forward_shard(plan, scale, config, implementation, total_queries):
 def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
     B, T, N = shapes[0][:3]
     bias_shape = shapes[_BWD_TENSORS]
+    top_left = _top_left(config, shapes)
 
     @_outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
-            operands, cfg = _offset_queries(operands, config, plan.query, total_queries)
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, top_left)
         dq, dk, dv, dbias, dslopes = attention_bwd_kernel_p.bind(
             *operands, scale=scale, config=cfg, implementation=implementation)
         if plan.query:  # each query block holds a share of every key's gradient
@@ -270,7 +290,8 @@ def _partition(backward):
         if backward:
             lower_fn = _backward_shard(plan, scale, config, implementation, total_queries, shapes)
         else:
-            lower_fn = _forward_shard(plan, scale, config, implementation, total_queries)
+            lower_fn = _forward_shard(plan, scale, config, implementation, total_queries,
+                                      _top_left(config, shapes))
         args = (_named(mesh, _operand_specs(plan, shapes, backward)),)
         return mesh, lower_fn, _named(mesh, _result_specs(plan, shapes, backward)), args
     return partition

@@ -113,6 +113,12 @@ OFFSET_CASES = {
     "right-less-window-softcap": dict(local_window_size=(7, 0), softcap=3.0),
     "lengths-bias-mask": dict(query_seq_lengths="q_lengths", key_value_seq_lengths="kv_lengths",
                               bias="bias", mask="mask"),
+    # Through the positions of each device's first query (top-left calls).
+    "two-sided-window": dict(local_window_size=(3, 4)),
+    "top-left-kv-lengths-alibi": dict(is_causal=True, key_value_seq_lengths="kv_lengths",
+                                      alibi_slopes="slopes"),
+    "dropout-causal-window": dict(is_causal=True, local_window_size=(9, 0), dropout_rate=0.3,
+                                  dropout_rng=jax.random.key(3)),
 }
 
 
@@ -194,9 +200,11 @@ def test_explicit_mesh_axes_keep_the_query_sequence_sharded():
 
 
 FALLBACK_CASES = {  # query positions a device cannot offset: gathered, still exact
-    "two-sided-window": dict(local_window_size=(3, 4)),
-    "top-left-kv-lengths": dict(is_causal=True, key_value_seq_lengths="kv_lengths"),
-    "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(3)),
+    "bottom-right-lengths-two-sided-window": dict(causal_alignment="bottom_right", local_window_size=(3, 4),
+                                                  key_value_seq_lengths="kv_lengths"),
+    "bottom-right-lengths-dropout": dict(is_causal=True, causal_alignment="bottom_right",
+                                         key_value_seq_lengths="kv_lengths", dropout_rate=0.3,
+                                         dropout_rng=jax.random.key(3)),
 }
 
 
@@ -207,7 +215,8 @@ def test_query_sequence_sharding_gathers_what_it_cannot_offset(case):
     B, T, S, N, K, H = 2, 32, 32, 4, 4, 16
     q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
     arrays = keyword_arrays(seed, B, T, S, N)
-    kw = {name: arrays[x] if isinstance(x, str) else x for name, x in FALLBACK_CASES[case].items()}
+    kw = {name: arrays[x] if isinstance(x, str) and x in arrays else x
+          for name, x in FALLBACK_CASES[case].items()}
 
     def f(q, k, v, do, dlse):
         return forward_and_grads(q, k, v, do, dlse, **kw)
