@@ -15,6 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from . import decode
 from ._compat import pcast_varying, varying_axes
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
@@ -85,7 +86,16 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         # either way. (Only an inf or NaN in q differs: 0 · inf would be NaN, 0-valued q gives 0.)
         q, scale = jnp.zeros_like(q), 1.0
     q, k, v, extras = vary_together(q, k, v, extras)
-    return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)
+
+    def call(q, k, v, config, extras):
+        return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)
+
+    plan = decode.split_plan(q.shape, k.shape, config, extras, implementation)
+    if plan is None:
+        return call(q, k, v, config, extras)
+    return jax.lax.platform_dependent(
+        q, k, v, default=lambda q, k, v: call(q, k, v, config, extras),
+        cuda=lambda q, k, v: decode.split_kv_attention(q, k, v, config, extras, plan, call))
 
 
 def vary_together(*operands):

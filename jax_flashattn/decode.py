@@ -1,0 +1,120 @@
+"""Decoding on the GPU: a few queries against a long key/value cache, split along the keys.
+
+With one query row per (batch, head) the kernels launch a CTA per (query tile, head, batch): too
+few to fill the GPU, each streaming the whole cache. For such calls the dispatcher instead
+  * folds the query heads of each K/V head into the query rows where all rows share one position
+    (T = 1, no ALiBi, whose slope is per head): the group's K/V are then read by one CTA, not G;
+  * cuts the keys into `chunks` equal blocks folded into the batch axis (a reshape, no copy of the
+    cache), each called with the global positions of its first query and key (so causality,
+    windows and ALiBi stay those of the whole sequence) and its clipped valid length;
+  * merges the blocks' outputs through their log-sum-exps (float32).
+Everything is differentiable through the kernels' LSE. The split runs on CUDA devices only
+(`jax.lax.platform_dependent`); elsewhere, and for calls it does not cover, the plain call runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ._options import Extras
+
+# Eligible calls: T at most this many queries (after folding the heads of a group)...
+_MAX_ROWS = 64
+# ...against blocks of at least this many keys (a multiple of the kernels' 128-key tiles).
+_MIN_CHUNK = 512
+# CTAs the split aims for per SM (one CTA per SM runs at a time on the Hopper forward).
+_WAVES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    chunks: int        # key blocks
+    fold_heads: bool   # the G query heads of a K/V head become query rows
+
+
+def _sm_count() -> int:
+    try:
+        return max(int(getattr(jax.devices("gpu")[0], "core_count", 132)), 1)
+    except RuntimeError:  # no GPU: the plan is traced for the CUDA branch only
+        return 132
+
+
+def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
+    """The split for this call, or None where it does not apply (module docstring)."""
+    if implementation == "cpu":
+        return None
+    B, T, N, _ = q_shape
+    S, K = k_shape[1], k_shape[2]
+    present = set(extras.present())
+    if present - {"key_value_seq_lengths", "alibi_slopes"} or config.dropout_rate:
+        return None
+    if T > 1 and (config.is_causal or config.window_left >= 0 or config.window_right >= 0) \
+            and not config.bottom_right:
+        return None  # top-left queries sit at the cache's start: nothing long to split
+    # Folded rows get positions 0..G-1 past the query's: the same keys only without ALiBi or a left
+    # window, and where the keys past the query are masked anyway (bottom-right) or seen anyway.
+    fold = (T == 1 and N > K and "alibi_slopes" not in present and config.window_left < 0
+            and (config.bottom_right or (not config.is_causal and config.window_right < 0)))
+    rows = T * (N // K) if fold else T
+    heads = K if fold else N
+    if rows > _MAX_ROWS:
+        return None
+    target = _WAVES * _sm_count()
+    best = 1
+    for chunks in range(2, S // _MIN_CHUNK + 1):
+        if S % chunks or (S // chunks) % 128:
+            continue
+        best = chunks
+        if B * heads * chunks >= target:
+            break
+    if best == 1 and not fold:
+        return None
+    return SplitPlan(best, fold)
+
+
+def _merge(out, lse, axis):
+    """The blocks' outputs (float32) merged along `axis` by their log-sum-exps; rows no block
+    sees give 0 and -inf with finite gradients."""
+    top = jax.lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp(lse - top)
+    total = jnp.sum(weight, axis=axis)
+    seen = total > 0
+    merged = jnp.sum(out * weight[..., None], axis=axis) / jnp.where(seen, total, 1.0)[..., None]
+    return merged, jnp.where(seen, jnp.log(jnp.where(seen, total, 1.0)) + jnp.squeeze(top, axis), -jnp.inf)
+
+
+def split_kv_attention(q, k, v, config, extras: Extras, plan: SplitPlan, call):
+    """(out, lse) of the call through `plan`; `call(q, k, v, config, extras)` runs one kernel call."""
+    B, T, N, H = q.shape
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    G, P = N // K, plan.chunks
+    chunk = S // P
+    if plan.fold_heads:  # [B, 1, N, H] -> [B, G, K, H]: row g of K/V head j is query head j·G + g
+        q = q.reshape(B, K, G, H).transpose(0, 2, 1, 3)
+    rows, heads = q.shape[1], q.shape[2]
+    kv_len = extras.key_value_seq_lengths
+    kv_len = jnp.full((B,), S, jnp.int32) if kv_len is None else jnp.clip(kv_len, 0, S)
+    # Query 0 sits at kv_len - T (bottom-right) or 0; both positions are raised by T so that they
+    # stay non-negative (only their difference matters without dropout).
+    q_position = (kv_len - T if config.bottom_right else jnp.zeros_like(kv_len)) + T
+    starts = jnp.arange(P, dtype=jnp.int32) * chunk
+    positions = jnp.stack([jnp.broadcast_to(q_position[:, None], (B, P)),
+                           jnp.broadcast_to(starts[None] + T, (B, P))], axis=-1).reshape(B * P, 2)
+    lengths = jnp.clip(kv_len[:, None] - starts[None], 0, chunk).reshape(B * P).astype(jnp.int32)
+    slopes = extras.alibi_slopes
+    if slopes is not None:
+        slopes = jnp.repeat(jnp.broadcast_to(slopes, (B, N)), P, axis=0)
+    block_extras = Extras(key_value_seq_lengths=lengths, alibi_slopes=slopes, positions=positions)
+    block_config = dataclasses.replace(config, bottom_right=False)
+    fold_batch = lambda x: jnp.repeat(x, P, axis=0)  # noqa: E731  block p of batch b at b·P + p
+    out, lse = call(fold_batch(q), k.reshape(B * P, chunk, K, H), v.reshape(B * P, chunk, K, Hv),
+                    block_config, block_extras)
+    out = out.astype(jnp.float32).reshape(B, P, rows, heads, Hv)
+    out, lse = _merge(out, lse.reshape(B, P, rows, heads), axis=1)
+    if plan.fold_heads:
+        out = out.transpose(0, 2, 1, 3).reshape(B, 1, N, Hv)
+        lse = lse.transpose(0, 2, 1).reshape(B, 1, N)
+    return out.astype(q.dtype), lse
