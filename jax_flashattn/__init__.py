@@ -6,6 +6,7 @@
     out = jax_flashattn.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=..., max_seqlen_k=...)
     out = jax_flashattn.context_parallel_attention(q, k, v, axis_name="cp")  # inside shard_map
     out = jax_flashattn.flash_attention(q, k, v, mask=jax_flashattn.pack_mask(mask))  # bit-packed
+    out = jax_flashattn.sparse_attention(q, k, v, indices)                # top-k sparse (DSA)
 """
 import pkgutil
 
@@ -21,10 +22,12 @@ from .attention import flash_attention
 from .context_parallel import context_parallel_attention, load_balance
 from .dropin import dot_product_attention
 from .masks import PackedMask, block_mask, pack_mask
+from .sparse import attn_dist, sparse_attention
 from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attention", "dot_product_attention", "varlen_attention",
            "context_parallel_attention", "load_balance", "PackedMask", "pack_mask", "block_mask",
+           "sparse_attention", "attn_dist",
            "build_info", "__version__"]

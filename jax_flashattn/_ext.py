@@ -13,6 +13,9 @@ from . import _jax_flashattn as _lib
 FORWARD_TARGET = "jfa_attention_fwd"
 BACKWARD_TARGET = "jfa_attention_bwd"
 PACK_MASK_TARGET = "jfa_pack_mask"
+SPARSE_FORWARD_TARGET = "jfa_sparse_fwd"
+SPARSE_BACKWARD_TARGET = "jfa_sparse_bwd"
+ATTN_DIST_TARGET = "jfa_attn_dist"
 
 
 @functools.cache

@@ -28,6 +28,9 @@ NB_MODULE(_jax_flashattn, m) {
     d["jfa_attention_fwd"] = as_capsule(JfaForwardCpu);
     d["jfa_attention_bwd"] = as_capsule(JfaBackwardCpu);
     d["jfa_pack_mask"] = as_capsule(JfaPackMaskCpu);
+    d["jfa_sparse_fwd"] = as_capsule(JfaSparseForwardCpu);
+    d["jfa_sparse_bwd"] = as_capsule(JfaSparseBackwardCpu);
+    d["jfa_attn_dist"] = as_capsule(JfaAttnDistCpu);
     return d;
   });
 
@@ -37,6 +40,9 @@ NB_MODULE(_jax_flashattn, m) {
     d["jfa_attention_fwd"] = as_capsule(JfaForwardCuda);
     d["jfa_attention_bwd"] = as_capsule(JfaBackwardCuda);
     d["jfa_pack_mask"] = as_capsule(JfaPackMaskCuda);
+    d["jfa_sparse_fwd"] = as_capsule(JfaSparseForwardCuda);
+    d["jfa_sparse_bwd"] = as_capsule(JfaSparseBackwardCuda);
+    d["jfa_attn_dist"] = as_capsule(JfaAttnDistCuda);
 #endif
     return d;
   });

@@ -1,0 +1,174 @@
+"""The top-k sparse attention primitives: abstract evaluation, lowering to the FFI targets per
+platform, and vmap rules. Operands in the public layout (q BTNH, k BSKH, v BSKHv, indices int32
+BTK·topk, lse BTN float32):
+  sparse_fwd_p(q, k, v, indices)                           -> (o, lse)
+  sparse_bwd_p(q, k, v, indices, o, lse, do, dlse)         -> (dq, dk, dv)
+  attn_dist_p(q, k, indices, lse)                          -> dist float32 [B, N // head_group, T, topk]
+v is a rank-0 placeholder when V is k[..., :value_head_dim] (then dv is a rank-0 placeholder and dk
+holds both gradients). Parameter `config` (SparseConfig) for the first two, scale, is_causal,
+bottom_right and head_group for attn_dist. Inputs are validated by jax_flashattn.sparse first.
+
+These primitives have no partitioning rule: under jit over a mesh XLA runs them on gathered
+operands. vmap folds every mapped axis into B (placeholders stay as they are).
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ext
+from ._compat import Primitive, apply_primitive, batching, mlir, not_mapped
+from .primitives import _result, _spec
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    scale: float
+    is_causal: bool
+    bottom_right: bool
+    value_head_dim: int  # Hv: value's last dim, or the columns of key that serve as V
+    deterministic: bool
+
+
+sparse_fwd_p = Primitive("jfa_sparse_fwd")
+sparse_fwd_p.multiple_results = True
+sparse_bwd_p = Primitive("jfa_sparse_bwd")
+sparse_bwd_p.multiple_results = True
+attn_dist_p = Primitive("jfa_attn_dist")
+
+for _prim in (sparse_fwd_p, sparse_bwd_p, attn_dist_p):
+    _prim.def_impl(partial(apply_primitive, _prim))
+
+
+def _fwd_abstract_eval(q, k, v, indices, *, config):
+    B, T, N, _ = q.shape
+    operands = (q, k, indices)
+    return (_result(operands, (B, T, N, config.value_head_dim), q.dtype, _spec(q, (0, 1, 2)) + [None]),
+            _result(operands, (B, T, N), jnp.float32, _spec(q, (0, 1, 2))))
+
+
+def _bwd_abstract_eval(q, k, v, indices, o, lse, do, dlse, *, config):
+    operands = (q, k, indices, o, do)
+    dv = (_result(operands, v.shape, v.dtype, _spec(v, range(4))) if v.ndim else
+          _result(operands, (), q.dtype, []))
+    return (_result(operands, q.shape, q.dtype, _spec(q, range(4))),
+            _result(operands, k.shape, k.dtype, _spec(k, range(4))), dv)
+
+
+def _dist_abstract_eval(q, k, indices, lse, *, scale, is_causal, bottom_right, head_group):
+    B, T, N, _ = q.shape
+    shape = (B, N // head_group, T, indices.shape[-1])
+    return _result((q, k, indices, lse), shape, jnp.float32, _spec(q, (0,)) + [None] * 3)
+
+
+sparse_fwd_p.def_abstract_eval(_fwd_abstract_eval)
+sparse_bwd_p.def_abstract_eval(_bwd_abstract_eval)
+attn_dist_p.def_abstract_eval(_dist_abstract_eval)
+
+
+def _attrs(scale, is_causal, bottom_right):
+    return dict(scale=np.float32(scale), is_causal=np.int32(bool(is_causal)),
+                bottom_right=np.int32(bool(bottom_right)))
+
+
+def _config_attrs(config):
+    return dict(_attrs(config.scale, config.is_causal, config.bottom_right),
+                value_head_dim=np.int64(config.value_head_dim))
+
+
+# ---- CPU (the CUDA handlers of the forward and attn_dist take the same operands) -------------------
+
+_ffi_fwd = jax.ffi.ffi_lowering(_ext.SPARSE_FORWARD_TARGET)
+_ffi_bwd = jax.ffi.ffi_lowering(_ext.SPARSE_BACKWARD_TARGET)
+_ffi_dist = jax.ffi.ffi_lowering(_ext.ATTN_DIST_TARGET)
+
+mlir.register_lowering(
+    sparse_fwd_p, lambda ctx, *args, config: _ffi_fwd(ctx, *args, **_config_attrs(config)), platform="cpu")
+mlir.register_lowering(
+    sparse_bwd_p, lambda ctx, *args, config: _ffi_bwd(ctx, *args, **_config_attrs(config),
+                                                      deterministic=np.int32(config.deterministic)),
+    platform="cpu")
+mlir.register_lowering(
+    attn_dist_p, lambda ctx, *args, scale, is_causal, bottom_right, head_group: _ffi_dist(
+        ctx, *args, **_attrs(scale, is_causal, bottom_right), head_group=np.int64(head_group)),
+    platform="cpu")
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+def _require_cuda():
+    if not _ext.has_cuda():
+        raise RuntimeError(
+            "jax_flashattn was built without its CUDA kernels, so sparse_attention cannot run on a GPU. "
+            "Reinstall on a machine with nvcc and a GPU, or force the build with "
+            "pip install . -C cmake.define.JFA_CUDA=ON (see README, 'Building for a GPU').")
+
+
+def _cuda_forward(ctx, *args, config):
+    _require_cuda()
+    return _ffi_fwd(ctx, *args, **_config_attrs(config))
+
+
+def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
+    B, S, K, H = k.shape
+    Hv = config.value_head_dim
+    shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(v.shape if v.ndim else (), q.dtype),
+              # Workspace: float32 accumulators of the scattered dK and dV (dV's folded into dK's
+              # when V is part of K), zeroed by the kernels; rounded into dk and dv at the end.
+              jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
+              jax.ShapeDtypeStruct((B, S, K, Hv) if v.ndim else (), jnp.float32)]
+    dq, dk, dv, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
+        q, k, v, indices, o, lse, do, dlse, **_config_attrs(config),
+        deterministic=np.int32(config.deterministic))
+    return dq, dk, dv
+
+
+_cuda_backward_lowered = mlir.lower_fun(_cuda_backward_fn, multiple_results=True)
+
+
+def _cuda_backward(ctx, *args, config):
+    _require_cuda()
+    return _cuda_backward_lowered(ctx, *args, config=config)
+
+
+def _cuda_dist(ctx, *args, scale, is_causal, bottom_right, head_group):
+    _require_cuda()
+    return _ffi_dist(ctx, *args, **_attrs(scale, is_causal, bottom_right), head_group=np.int64(head_group))
+
+
+mlir.register_lowering(sparse_fwd_p, _cuda_forward, platform="cuda")
+mlir.register_lowering(sparse_bwd_p, _cuda_backward, platform="cuda")
+mlir.register_lowering(attn_dist_p, _cuda_dist, platform="cuda")
+
+
+# ---- vmap ----------------------------------------------------------------------------------------
+
+def _fold(a, d, size):
+    """a with its mapped axis d (broadcast when unmapped) merged into its leading batch axis."""
+    if a.ndim == 0:  # placeholder of an absent operand
+        return a
+    a = jnp.broadcast_to(a, (size,) + a.shape) if d is not_mapped else jnp.moveaxis(a, d, 0)
+    return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+
+def _unfold(size, o):
+    return o if o.ndim == 0 else o.reshape((size, o.shape[0] // size) + o.shape[1:])
+
+
+def _batch_rule(prim):
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+        outs = prim.bind(*[_fold(a, d, size) for a, d in zip(args, dims)], **params)
+        if not prim.multiple_results:
+            return _unfold(size, outs), 0
+        return [_unfold(size, o) for o in outs], [not_mapped if o.ndim == 0 else 0 for o in outs]
+    return rule
+
+
+for _prim in (sparse_fwd_p, sparse_bwd_p, attn_dist_p):
+    batching.primitive_batchers[_prim] = _batch_rule(_prim)
