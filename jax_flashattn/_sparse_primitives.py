@@ -119,10 +119,12 @@ def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
     shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(v.shape if v.ndim else (), q.dtype),
               # Workspace: float32 accumulators of the scattered dK and dV (dV's folded into dK's
-              # when V is part of K), zeroed by the kernels; rounded into dk and dv at the end.
+              # when V is part of K), zeroed by the kernels and rounded into dk and dv at the end;
+              # D = rowsum(dO∘O) − dLSE per query row.
               jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
-              jax.ShapeDtypeStruct((B, S, K, Hv) if v.ndim else (), jnp.float32)]
-    dq, dk, dv, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
+              jax.ShapeDtypeStruct((B, S, K, Hv) if v.ndim else (), jnp.float32),
+              jax.ShapeDtypeStruct(lse.shape, jnp.float32)]
+    dq, dk, dv, _, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
         q, k, v, indices, o, lse, do, dlse, **_config_attrs(config),
         deterministic=np.int32(config.deterministic))
     return dq, dk, dv

@@ -1,0 +1,289 @@
+"""Top-k sparse attention and attn_dist on the CPU kernels: forward, LSE and every gradient against
+the float32 reference written from the definition (gather, then softmax), on fresh random inputs
+with invalid (-1, negative, >= S, causally hidden) and repeated indices; plus checks that do not
+rest on the reference (dense equivalence, duplicated keys, probabilities summing to the group)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn as jfa
+from jax_flashattn.sparse_reference import attn_dist_reference, sparse_attention_reference
+from util import BOUNDS, fresh_seed, rel_err
+
+
+def random_case(seed, B, T, S, N, K, H, Hv, topk, dtype=jnp.float32, empty_rows=0):
+    """q, k, v, indices (about a quarter invalid: -1, other negatives, >= S) and cotangents; the
+    first `empty_rows` query positions select nothing valid."""
+    rng = np.random.default_rng(seed)  # numpy: no per-shape compilation of random ops
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
+    q, k, v, do = normal(B, T, N, H), normal(B, S, K, H), normal(B, S, K, Hv), normal(B, T, N, Hv)
+    dlse = jnp.asarray(rng.standard_normal((B, T, N), np.float32))
+    indices = rng.integers(-S // 4 - 1, S + S // 4 + 1, (B, T, K, topk)).astype(np.int32)
+    indices[:, :empty_rows] = -1
+    indices = jnp.asarray(indices)
+    return q, k, v, indices, do, dlse
+
+
+def check_against_reference(seed, shape, *, dtype=jnp.float32, shared_value=False, empty_rows=0, **kw):
+    """Ours (jitted) against the reference: out, lse, dq, dk, dv; rows with no valid index must
+    give out 0, lse -inf and zero dq. Returns ours (out, lse, grads)."""
+    B, T, S, N, K, H, Hv, topk = shape
+    q, k, v, indices, do, dlse = random_case(seed, *shape, dtype=dtype, empty_rows=empty_rows)
+    if shared_value:
+        def ours(q, k):
+            return jfa.sparse_attention(q, k, None, indices, value_head_dim=Hv, return_lse=True, **kw)
+
+        def ref(q, k):
+            return sparse_attention_reference(q, k, None, indices, value_head_dim=Hv, **kw)
+        args = (q, k)
+    else:
+        def ours(q, k, v):
+            return jfa.sparse_attention(q, k, v, indices, return_lse=True, **kw)
+
+        def ref(q, k, v):
+            return sparse_attention_reference(q, k, v, indices, **kw)
+        args = (q, k, v)
+
+    @jax.jit  # one compiled program: the reference run eagerly would compile op by op
+    def run(args, do, dlse):
+        (out, lse), vjp = jax.vjp(ours, *args)
+        (r_out, r_lse), r_vjp = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+        dlse = jnp.where(jnp.isfinite(r_lse), dlse, 0.0)
+        return (out, lse, vjp((do, dlse))), (r_out, r_lse, r_vjp((do.astype(jnp.float32), dlse)))
+
+    (out, lse, grads), (r_out, r_lse, r_grads) = run(args, do, dlse)
+    empty = ~np.isfinite(np.asarray(r_lse))
+    fwd_bound, grad_bound = BOUNDS[dtype]
+    assert out.dtype == dtype and out.shape == (B, T, N, Hv) and lse.dtype == jnp.float32
+    assert rel_err(out, r_out) <= fwd_bound, f"seed {seed}: out {rel_err(out, r_out)}"
+    lse_np = np.asarray(lse)
+    assert np.array_equal(np.isneginf(lse_np), empty), f"seed {seed}: rows with no valid index differ"
+    assert not np.any(np.asarray(out, np.float32)[empty]), f"seed {seed}: empty rows must be 0"
+    assert rel_err(np.where(empty, 0, lse_np), np.where(empty, 0, r_lse)) <= fwd_bound, f"seed {seed}: lse"
+    for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        assert g.shape == r.shape and g.dtype == dtype, (name, g.shape, r.shape, g.dtype)
+        assert rel_err(g, r) <= grad_bound, f"seed {seed}: {name} error {rel_err(g, r)}"
+    assert not np.any(np.asarray(grads[0], np.float32)[empty]), f"seed {seed}: dq of empty rows"
+    return out, lse, grads
+
+
+# (B, T, S, N, K, H, Hv, topk): odd sizes, GQA and MQA, T = 1, T < S and T > S, topk > S (repeats
+# for certain), topk = 1, Hv != H.
+SHAPES = [
+    (2, 7, 11, 6, 2, 16, 12, 5),
+    (1, 1, 9, 4, 1, 8, 8, 13),
+    (1, 13, 5, 3, 3, 20, 20, 7),
+    (2, 9, 30, 8, 1, 24, 16, 1),
+]
+
+
+# Each shape with each causal mode would be 12 cases; every shape and every mode once keeps CI short.
+CASES = [(SHAPES[0], None), (SHAPES[1], "bottom_right"), (SHAPES[2], "top_left"), (SHAPES[3], "bottom_right"),
+         (SHAPES[0], "top_left")]
+
+
+@pytest.mark.parametrize("shape, causal", CASES,
+                         ids=lambda x: "B{}T{}S{}N{}K{}H{}Hv{}topk{}".format(*x) if isinstance(x, tuple) else str(x))
+def test_matches_reference(shape, causal):
+    kw = {} if causal is None else dict(is_causal=True, causal_alignment=causal)
+    check_against_reference(fresh_seed(), shape, empty_rows=1, **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_half_precision_on_the_cpu(dtype):
+    check_against_reference(fresh_seed(), (1, 6, 40, 4, 2, 32, 32, 17), dtype=dtype, is_causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_none_shares_the_key_buffer(causal):
+    # MLA's layout: one latent buffer, V its first Hv columns; both gradients land in key's.
+    check_against_reference(fresh_seed(), (1, 5, 12, 4, 1, 24, 16, 9), shared_value=True, is_causal=causal)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_all_keys_selected_is_dense_attention(alignment):
+    """Selecting every key, in a random order, is dense attention (independent of the reference)."""
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 6, 9, 4, 2, 16
+    q, k, v, _, _, _ = random_case(seed, B, T, S, N, K, H, H, 1)
+    order = jax.random.permutation(jax.random.key(seed + 1), S).astype(jnp.int32)
+    indices = jnp.broadcast_to(order, (B, T, K, S))
+    out, lse = jfa.sparse_attention(q, k, v, indices, is_causal=True, causal_alignment=alignment,
+                                    return_lse=True)
+    d_out, d_lse = jfa.flash_attention(q, k, v, is_causal=True, causal_alignment=alignment, return_lse=True)
+    assert rel_err(out, d_out) <= 1e-5, f"seed {seed}"
+    assert rel_err(lse, d_lse) <= 1e-5, f"seed {seed}"
+
+
+def test_repeated_indices_count_as_often_as_they_appear():
+    """Listing every selection twice leaves the softmax unchanged and adds log 2 to the LSE, and
+    a key listed twice weighs as two keys."""
+    seed = fresh_seed()
+    q, k, v, indices, _, _ = random_case(seed, 1, 4, 10, 2, 1, 8, 8, 6)
+    indices = jnp.abs(indices) % 10
+    out, lse = jfa.sparse_attention(q, k, v, indices, return_lse=True)
+    out2, lse2 = jfa.sparse_attention(q, k, v, jnp.concatenate([indices, indices], -1), return_lse=True)
+    assert rel_err(out2, out) <= 1e-6 and rel_err(lse2, lse + np.log(2.0)) <= 1e-6, f"seed {seed}"
+    twice = jnp.array([[[[3, 3, 5]]]], jnp.int32)
+    out_twice = jfa.sparse_attention(q[:, :1], k, v, twice)
+    logits = jnp.einsum("bnh,bjh->bnj", q[:, 0], k[:, jnp.array([3, 5]), 0]) / np.sqrt(8)
+    weights = jax.nn.softmax(logits + jnp.log(jnp.array([2.0, 1.0])), axis=-1)
+    expected = jnp.einsum("bnj,bjd->bnd", weights, v[:, jnp.array([3, 5]), 0])
+    assert rel_err(out_twice[:, 0], expected) <= 1e-5, f"seed {seed}"
+
+
+def test_rows_with_no_valid_index():
+    q, k, v, _, _, _ = random_case(fresh_seed(), 1, 3, 4, 2, 1, 8, 8, 3)
+    indices = jnp.array([[[[-1, 4, 9]], [[-5, 2, -1]], [[3, 3, 3]]]], jnp.int32)  # row 0: nothing valid
+    out, lse = jfa.sparse_attention(q, k, v, indices, is_causal=True, causal_alignment="top_left",
+                                    return_lse=True)
+    # Causal top-left: row 1 (position 1) cannot see key 2, row 2 cannot see key 3.
+    assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))
+    loss = lambda q, k, v: jfa.sparse_attention(q, k, v, indices, is_causal=True,  # noqa: E731
+                                                causal_alignment="top_left").sum()
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert not (np.any(np.asarray(dq)) or np.any(np.asarray(dk)) or np.any(np.asarray(dv)))
+
+
+def test_vmap_any_in_axes_and_unbatched():
+    seed = fresh_seed()
+    B, T, S, N, K, H, topk = 3, 5, 8, 4, 2, 8, 4
+    q, k, v, indices, _, _ = random_case(seed, B, T, S, N, K, H, H, topk)
+    looped = jnp.stack([jfa.sparse_attention(q[b], k[0], v[b], indices[b]) for b in range(B)])
+    # query and value mapped along different axes, key shared, indices mapped.
+    mapped = jax.vmap(jfa.sparse_attention, in_axes=(1, None, 2, 0), out_axes=0)(
+        jnp.moveaxis(q, 0, 1), k[0], jnp.moveaxis(v, 0, 2), indices)
+    assert rel_err(mapped, looped) <= 1e-6, f"seed {seed}"
+    ref = sparse_attention_reference(q[:1], k[:1], v[:1], indices[:1])[0][0]
+    assert rel_err(looped[0], ref) <= 1e-5, f"seed {seed}"
+    loss = lambda q, k, v: jnp.sum(jfa.sparse_attention(q, k, v, indices[0], is_causal=True) ** 2)  # noqa: E731
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, 0)))(q, k[0], v)
+    for b in range(B):
+        for g, r in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q[b], k[0], v[b])):
+            assert rel_err(g[b], r) <= 1e-5, f"seed {seed}"
+    dist = jax.vmap(lambda q, k, i, l: jfa.attn_dist(q, k, i, l, head_group=2))(
+        q, k, indices, jax.vmap(lambda *a: jfa.sparse_attention(*a, return_lse=True)[1])(q, k, v, indices))
+    assert dist.shape == (B, N // 2, T, topk)
+
+
+def test_deterministic_gradients_are_bitwise_repeatable():
+    seed = fresh_seed()
+    q, k, v, indices, do, _ = random_case(seed, 2, 9, 7, 4, 2, 16, 8, 11)
+    grad = jax.jit(jax.grad(lambda q, k, v, det: jnp.sum(jfa.sparse_attention(q, k, v, indices, deterministic=det)
+                                                         * do), argnums=(0, 1, 2)), static_argnums=3)
+    first, again, default = grad(q, k, v, True), grad(q, k, v, True), grad(q, k, v, False)
+    for a, b, c in zip(first, again, default):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert rel_err(a, c) <= 1e-6, f"seed {seed}"
+
+
+@pytest.mark.parametrize("lse_base", ["e", 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_dist_matches_reference(lse_base, causal):
+    seed = fresh_seed()
+    B, T, S, N, K, H, topk = 2, 6, 10, 8, 2, 16, 7
+    q, k, v, indices, _, _ = random_case(seed, B, T, S, N, K, H, H, topk, empty_rows=1)
+    _, lse = jfa.sparse_attention(q, k, v, indices, is_causal=causal, return_lse=True)
+    given = lse / np.log(2.0) if lse_base == 2 else lse
+    dist = jax.jit(lambda q, k, i, l: jfa.attn_dist(q, k, i, l, head_group=4, lse_base=lse_base,
+                                                   is_causal=causal))(q, k, indices, given)
+    ref = attn_dist_reference(q, k, indices, lse, head_group=4, is_causal=causal)
+    assert dist.shape == (B, 2, T, topk) and dist.dtype == jnp.float32
+    assert rel_err(dist, ref) <= 1e-5, f"seed {seed}"
+    # With the attention's own LSE each head's probabilities sum to 1 over its selection: a
+    # group's row sums to head_group (0 for a row that saw nothing).
+    sums = np.asarray(jnp.sum(dist, -1))
+    expected = np.where(np.isfinite(np.asarray(lse)).reshape(B, T, 2, 4).all(-1), 4.0, 0.0).transpose(0, 2, 1)
+    np.testing.assert_allclose(sums, expected, rtol=1e-5, atol=1e-6)
+    if not causal:  # invalid slots give exactly 0; here group g is the G heads of key/value head g
+        invalid = np.transpose(np.asarray((indices < 0) | (indices >= S)), (0, 2, 1, 3))
+        assert not np.any(np.asarray(dist)[invalid])
+
+
+def test_attn_dist_unbatched_and_no_gradient():
+    q, k, v, indices, _, _ = random_case(fresh_seed(), 1, 4, 6, 4, 1, 8, 8, 3)
+    _, lse = jfa.sparse_attention(q[0], k[0], v[0], indices[0], return_lse=True)
+    assert jfa.attn_dist(q[0], k[0], indices[0], lse, head_group=2).shape == (2, 4, 3)
+    g = jax.grad(lambda q: jfa.attn_dist(q, k[0], indices[0], lse, head_group=4).sum())(q[0])
+    assert not np.any(np.asarray(g))
+
+
+def test_indexer_kl_training_example():
+    """docs/sparse-attention.md's example: an indexer trained towards attn_dist's target with the
+    DSA KL loss over the selected keys; the loss falls."""
+    B, T, S, N, H, Hi, topk = 1, 16, 16, 4, 16, 8, 8
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (B, S, 32))
+    q = jax.random.normal(keys[1], (B, T, N, H))
+    kv = jax.random.normal(keys[2], (B, S, 1, H))
+    params = {"wq": 0.1 * jax.random.normal(keys[3], (32, Hi)), "wk": 0.1 * jax.random.normal(keys[4], (32, Hi))}
+    # The selection: each query's topk latest visible keys (any selection works for the target).
+    positions = jnp.arange(T)[:, None] - jnp.arange(topk)[None, :]
+    indices = jnp.where(positions >= 0, positions, -1).astype(jnp.int32)[None, :, None, :]
+    _, lse = jfa.sparse_attention(q, kv, None, indices, value_head_dim=H, is_causal=True, return_lse=True)
+    target = jfa.attn_dist(q, kv, indices, lse, head_group=N, is_causal=True)[:, 0]      # [B, T, topk]
+    target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), 1e-30)
+
+    def indexer_loss(params):
+        scores = jnp.einsum("bti,bsi->bts", x @ params["wq"], x @ params["wk"])
+        picked = jnp.take_along_axis(scores, jnp.maximum(indices[:, :, 0], 0), axis=-1)
+        log_p = jax.nn.log_softmax(jnp.where(indices[:, :, 0] >= 0, picked, -1e9), axis=-1)
+        return jnp.sum(jnp.where(target > 0, target * (jnp.log(jnp.maximum(target, 1e-30)) - log_p), 0.0))
+
+    step = jax.jit(lambda p: jax.tree.map(lambda w, g: w - 0.02 * g, p, jax.grad(indexer_loss)(p)))
+    first = float(indexer_loss(params))
+    for _ in range(30):
+        params = step(params)
+    assert float(indexer_loss(params)) < 0.5 * first
+
+
+def test_empty_problems():
+    q, k, v, indices, _, _ = random_case(0, 1, 3, 4, 2, 1, 8, 8, 2)
+    out, lse = jfa.sparse_attention(q, k, v, indices[..., :0], return_lse=True)
+    assert out.shape == (1, 3, 2, 8) and not np.any(np.asarray(out)) and np.all(np.isneginf(np.asarray(lse)))
+    assert jfa.attn_dist(q, k, indices[..., :0], lse, head_group=2).shape == (1, 1, 3, 0)
+
+
+def test_wider_integer_indices_out_of_range_are_invalid():
+    q, k, v, indices, _, _ = random_case(fresh_seed(), 1, 3, 4, 2, 1, 8, 8, 2)
+    wide = indices.astype(jnp.uint8)  # -1 wraps to 255: out of range, still invalid
+    assert rel_err(jfa.sparse_attention(q, k, v, wide), jfa.sparse_attention(q, k, v, indices)) == 0.0
+
+
+F32 = jnp.float32
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 3, 8)), jnp.ones((1, 3, 3, 8)),
+                                  jnp.zeros((1, 2, 3, 1), jnp.int32)), ValueError, ["N=4", "K=3"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
+                                  jnp.zeros((1, 2, 1, 5), jnp.int32)), ValueError, ["indices", "(1, 2, 1, 5)"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
+                                  jnp.zeros((1, 2, 2, 5), F32)), TypeError, ["indices", "float32"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), None,
+                                  jnp.zeros((1, 2, 2, 5), jnp.int32)), ValueError, ["value_head_dim", "H=8"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), None,
+                                  jnp.zeros((1, 2, 2, 5), jnp.int32), value_head_dim=9), ValueError, ["9"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 4, 2, 8)),
+                                  jnp.zeros((1, 2, 2, 5), jnp.int32)), ValueError, ["value", "(1, 4, 2, 8)"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 6)), jnp.ones((1, 3, 2, 6)),
+                                  jnp.zeros((1, 2, 2, 5), jnp.int32)), ValueError, ["key", "H=8"]),
+    (lambda: jfa.sparse_attention(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
+                                  jnp.zeros((1, 2, 2, 5), jnp.int32), causal_alignment="top"),
+     ValueError, ["causal_alignment"]),
+    (lambda: jfa.attn_dist(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.zeros((1, 2, 2, 5), jnp.int32),
+                           jnp.zeros((1, 2, 4))), ValueError, ["head_group", "N=4"]),
+    (lambda: jfa.attn_dist(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.zeros((1, 2, 2, 5), jnp.int32),
+                           jnp.zeros((1, 4, 2)), head_group=2), ValueError, ["lse", "(1, 4, 2)"]),
+    (lambda: jfa.attn_dist(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 3, 2, 8)), jnp.zeros((1, 2, 2, 5), jnp.int32),
+                           jnp.zeros((1, 2, 4)), head_group=2, lse_base=10), ValueError, ["lse_base"]),
+], ids=["heads", "indices-shape", "indices-dtype", "value-none", "value-head-dim", "value-shape",
+        "key-head-dim", "alignment", "head-group", "lse-shape", "lse-base"])
+def test_errors_name_the_argument(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), str(info.value)
