@@ -100,7 +100,13 @@ mlir.register_lowering(
 
 # ---- CUDA ----------------------------------------------------------------------------------------
 
-def _require_cuda():
+_MAX_CUDA_HEAD_DIM = 4096  # jfa::sparse_gpu::kMaxHeadDim (cuda/sparse/sparse_gpu.h)
+
+
+def _require_cuda(q_aval, value_head_dim):
+    if q_aval.shape[-1] > _MAX_CUDA_HEAD_DIM or value_head_dim > _MAX_CUDA_HEAD_DIM:
+        raise ValueError(f"sparse_attention: the CUDA kernels take head dims up to {_MAX_CUDA_HEAD_DIM}, "
+                         f"got query {q_aval.shape} and Hv={value_head_dim}")
     if not _ext.has_cuda():
         raise RuntimeError(
             "jax_flashattn was built without its CUDA kernels, so sparse_attention cannot run on a GPU. "
@@ -109,7 +115,7 @@ def _require_cuda():
 
 
 def _cuda_forward(ctx, *args, config):
-    _require_cuda()
+    _require_cuda(ctx.avals_in[0], config.value_head_dim)
     return _ffi_fwd(ctx, *args, **_config_attrs(config))
 
 
@@ -134,12 +140,12 @@ _cuda_backward_lowered = mlir.lower_fun(_cuda_backward_fn, multiple_results=True
 
 
 def _cuda_backward(ctx, *args, config):
-    _require_cuda()
+    _require_cuda(ctx.avals_in[0], config.value_head_dim)
     return _cuda_backward_lowered(ctx, *args, config=config)
 
 
 def _cuda_dist(ctx, *args, scale, is_causal, bottom_right, head_group):
-    _require_cuda()
+    _require_cuda(ctx.avals_in[0], 1)
     return _ffi_dist(ctx, *args, **_attrs(scale, is_causal, bottom_right), head_group=np.int64(head_group))
 
 

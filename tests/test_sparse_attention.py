@@ -15,13 +15,15 @@ from util import BOUNDS, fresh_seed, rel_err
 
 
 def random_case(seed, B, T, S, N, K, H, Hv, topk, dtype=jnp.float32, empty_rows=0):
-    """q, k, v, indices (about a quarter invalid: -1, other negatives, >= S) and cotangents; the
+    """q, k, v, indices (about a quarter invalid: -1, other negatives, >= S, int32 extremes) and cotangents; the
     first `empty_rows` query positions select nothing valid."""
     rng = np.random.default_rng(seed)  # numpy: no per-shape compilation of random ops
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
     q, k, v, do = normal(B, T, N, H), normal(B, S, K, H), normal(B, S, K, Hv), normal(B, T, N, Hv)
     dlse = jnp.asarray(rng.standard_normal((B, T, N), np.float32))
     indices = rng.integers(-S // 4 - 1, S + S // 4 + 1, (B, T, K, topk)).astype(np.int32)
+    extremes = rng.random(indices.shape) < 0.05  # far out of range: a kernel must never follow them
+    indices[extremes] = rng.choice(np.array([-2**31, 2**31 - 1], np.int32), int(extremes.sum()))
     indices[:, :empty_rows] = -1
     indices = jnp.asarray(indices)
     return q, k, v, indices, do, dlse
@@ -287,3 +289,53 @@ def test_errors_name_the_argument(call, error, words):
         call()
     for word in words:
         assert word in str(info.value), str(info.value)
+
+
+# ---- GPU (skipped without one; JFA_REQUIRE_GPU=1 makes the skip a failure) ------------------------
+
+# (B, T, S, N, K, H, Hv, topk): odd sizes, GQA, T = 1, topk past S, topk not a multiple of the
+# kernels' chunk of 64; the last is DeepSeek V3.2's head dims (MLA: V is key[..., :512]).
+GPU_CASES = [
+    ((2, 33, 70, 8, 2, 64, 64, 40), False),
+    ((1, 1, 9, 4, 1, 128, 128, 13), False),
+    ((1, 17, 300, 4, 4, 96, 80, 130), False),
+    ((1, 6, 200, 16, 1, 576, 512, 129), True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("shape, shared_value", GPU_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_gpu_matches_reference(shape, shared_value, causal, deterministic, dtype):
+    kw = {} if causal is None else dict(is_causal=True, causal_alignment=causal)
+    check_against_reference(fresh_seed(), shape, dtype=dtype, shared_value=shared_value, empty_rows=1,
+                            deterministic=deterministic, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_gradients_are_bitwise_repeatable():
+    q, k, v, indices, do, _ = random_case(fresh_seed(), 1, 40, 50, 8, 1, 64, 64, 37, dtype=jnp.bfloat16)
+    # Every query selects the same few keys: many adds per key row, where order matters most.
+    indices = indices % 5
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jfa.sparse_attention(q, k, v, indices, deterministic=True)
+                                                    .astype(jnp.float32) * do), argnums=(0, 1, 2)))
+    first, again = grad(q, k, v), grad(q, k, v)
+    for a, b in zip(first, again):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("lse_base", ["e", 2])
+def test_gpu_attn_dist_matches_reference(dtype, lse_base):
+    seed = fresh_seed()
+    B, T, S, N, K, H, topk = 1, 9, 150, 128, 1, 576, 70
+    q, k, v, indices, _, _ = random_case(seed, B, T, S, N, K, H, 8, topk, dtype=dtype, empty_rows=1)
+    _, lse = jfa.sparse_attention(q, k, None, indices, value_head_dim=512, is_causal=True, return_lse=True)
+    given = lse / np.log(2.0) if lse_base == 2 else lse
+    dist = jax.jit(lambda *a: jfa.attn_dist(*a, lse_base=lse_base, is_causal=True))(q, k, indices, given)
+    ref = attn_dist_reference(q.astype(jnp.float32), k.astype(jnp.float32), indices, lse, is_causal=True)
+    assert dist.shape == (B, 2, T, topk)
+    assert rel_err(dist, ref) <= 1e-4, f"seed {seed}: {rel_err(dist, ref)}"
