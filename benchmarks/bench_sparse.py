@@ -78,6 +78,7 @@ def main(argv=None):
     parser.add_argument("--kv-lens", default="32768,65536")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the CSV")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         dtype, (B, T, N, H, Hv, topk), kv_lens = jnp.float32, (1, 16, 8, 64, 48, 32), [128]
@@ -102,7 +103,7 @@ def main(argv=None):
                 print(f"S={S:6d} {name:9s} {impl:14s} {ms:9.3f} ms {flops / ms / 1e9:8.2f} TFLOP/s")
     if args.cpu_smoke:
         return
-    out = Path(__file__).parent / "results" / f"{datetime.date.today()}-{device}-sparse.csv"
+    out = Path(args.out) / f"{datetime.date.today()}-{device}-sparse.csv"
     out.parent.mkdir(exist_ok=True)
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

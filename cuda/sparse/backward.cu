@@ -137,7 +137,8 @@ cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, c
     } else {
       query_kernel<Elem, true><<<query_grid, kThreads, smem, stream>>>(p, ws);
     }
-    convert_kernel<Elem><<<convert_grid(dk_count), 256, 0, stream>>>(ws.dk_accum, static_cast<Elem*>(p.dk), dk_count);
+    if (dk_count)
+      convert_kernel<Elem><<<convert_grid(dk_count), 256, 0, stream>>>(ws.dk_accum, static_cast<Elem*>(p.dk), dk_count);
     if (dv_count)
       convert_kernel<Elem><<<convert_grid(dv_count), 256, 0, stream>>>(ws.dv_accum, static_cast<Elem*>(p.dv), dv_count);
     return cudaGetLastError();
