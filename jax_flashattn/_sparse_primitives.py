@@ -100,7 +100,7 @@ mlir.register_lowering(
 
 # ---- CUDA ----------------------------------------------------------------------------------------
 
-_MAX_CUDA_HEAD_DIM = 4096  # jfa::sparse_gpu::kMaxHeadDim (cuda/sparse/sparse_gpu.h)
+_MAX_CUDA_HEAD_DIM = 2048  # jfa::sparse_gpu::kMaxHeadDim (cuda/sparse/sparse_gpu.h)
 
 
 def _require_cuda(q_aval, value_head_dim):

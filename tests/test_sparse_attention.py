@@ -4,12 +4,16 @@ with invalid (-1, negative, >= S, causally hidden) and repeated indices; plus ch
 rest on the reference (dense equivalence, duplicated keys, probabilities summing to the group)."""
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flashattn as jfa
+from jax_flashattn import _sparse_primitives
 from jax_flashattn.sparse_reference import attn_dist_reference, sparse_attention_reference
 from util import BOUNDS, fresh_seed, rel_err
 
@@ -253,6 +257,14 @@ def test_wider_integer_indices_out_of_range_are_invalid():
     q, k, v, indices, _, _ = random_case(fresh_seed(), 1, 3, 4, 2, 1, 8, 8, 2)
     wide = indices.astype(jnp.uint8)  # -1 wraps to 255: out of range, still invalid
     assert rel_err(jfa.sparse_attention(q, k, v, wide), jfa.sparse_attention(q, k, v, indices)) == 0.0
+
+
+def test_cuda_head_dim_limit_follows_sparse_gpu_h():
+    header = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "sparse" / "sparse_gpu.h"
+    if not header.exists():
+        pytest.skip("the CUDA sources are not next to the tests (an installed package)")
+    match = re.search(r"inline constexpr int64_t kMaxHeadDim = (\d+);", header.read_text())
+    assert match and int(match.group(1)) == _sparse_primitives._MAX_CUDA_HEAD_DIM
 
 
 F32 = jnp.float32

@@ -14,9 +14,9 @@
 
 namespace jfa::sparse_gpu {
 
-// Largest H (and Hv) the kernels take: their per-CTA rows of q, dO and accumulators live in 48 KB
-// of shared memory.
-inline constexpr int64_t kMaxHeadDim = 4096;
+// Largest H (and Hv) the kernels take: a backward CTA keeps 2·H + Hv floats of rows in shared
+// memory, which must stay under the 48 KB a launch gets without opting in to more.
+inline constexpr int64_t kMaxHeadDim = 2048;
 
 // Float32 scratch the backward needs, as extra FFI results (XLA allocates it; nothing here does).
 struct SparseBackwardWorkspace {
