@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _validate
 from ._sparse_primitives import SparseConfig, attn_dist_p, sparse_bwd_p, sparse_fwd_p
+from .autodiff import vary_together
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for value=None
@@ -153,6 +154,8 @@ def _sparse_attention(q, k, v, indices, config):
     if B * T * N * indices.shape[-1] == 0 or k.shape[1] == 0:  # nothing is selected anywhere
         return (jnp.zeros((B, T, N, config.value_head_dim), q.dtype),
                 jnp.full((B, T, N), -jnp.inf, jnp.float32))
+    # Inside shard_map: operands marked varying alike, so each gradient has its primal's type.
+    q, k, v, indices = vary_together(q, k, v, indices)
     return _sparse_core(q, k, v, indices, config)
 
 

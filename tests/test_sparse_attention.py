@@ -175,6 +175,19 @@ def test_vmap_any_in_axes_and_unbatched():
     assert dist.shape == (B, N // 2, T, topk)
 
 
+def test_inside_shard_map_with_replicated_keys():
+    """Queries split over a mesh axis, keys and values replicated: the keys' gradient is summed over
+    the devices (one CPU device here, so the mesh axis has size 1)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    q, k, v, indices, _, _ = random_case(fresh_seed(), 1, 4, 6, 2, 1, 8, 8, 3)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    loss = lambda q, k, v, i: jnp.sum(jfa.sparse_attention(q, k, v, i) ** 2)  # noqa: E731
+    sharded = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P(None, "x"), P(), P(), P(None, "x")),
+                            out_specs=(P(None, "x"), P()))
+    for g, r in zip(jax.jit(sharded)(q, k, v, indices), jax.grad(loss, argnums=(0, 1))(q, k, v, indices)):
+        assert rel_err(g, r) <= 1e-6
+
+
 def test_deterministic_gradients_are_bitwise_repeatable():
     seed = fresh_seed()
     q, k, v, indices, do, _ = random_case(seed, 2, 9, 7, 4, 2, 16, 8, 11)
