@@ -272,6 +272,29 @@ def test_wider_integer_indices_out_of_range_are_invalid():
     assert rel_err(jfa.sparse_attention(q, k, v, wide), jfa.sparse_attention(q, k, v, indices)) == 0.0
 
 
+@pytest.mark.parametrize("shared_value", [False, True])
+def test_cuda_lowering(shared_value):
+    """Lowering for CUDA, forward, backward (both scatter modes) and attn_dist, works without a GPU
+    (in a build without CUDA kernels it stops at the missing kernels, never before)."""
+    q, k, v, indices, _, _ = random_case(0, 1, 4, 6, 4, 1, 576, 512, 3, dtype=jnp.bfloat16)
+    value = None if shared_value else v
+
+    def fn(q, k, v):
+        def loss(q, k, v):
+            out, lse = jfa.sparse_attention(q, k, v, indices, value_head_dim=512 if v is None else None,
+                                            deterministic=shared_value, return_lse=True)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jfa.attn_dist(q, k, indices, lse, head_group=2))
+        return jax.value_and_grad(loss, argnums=(0, 1))(q, k, v)
+
+    try:
+        text = jax.jit(fn).trace(q, k, value).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:
+        assert "without its CUDA kernels" in str(e)
+        return
+    for target in ("jfa_sparse_fwd", "jfa_sparse_bwd", "jfa_attn_dist"):
+        assert target in text
+
+
 def test_cuda_head_dim_limit_follows_sparse_gpu_h():
     header = pathlib.Path(__file__).resolve().parents[1] / "cuda" / "sparse" / "sparse_gpu.h"
     if not header.exists():

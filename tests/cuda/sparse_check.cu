@@ -1,0 +1,220 @@
+// The sparse-attention CUDA kernels (cuda/sparse/) against the C++ CPU kernels (cuda/cpu/sparse_*),
+// which tests/test_sparse_attention.py checks against the float32 reference: forward (o, lse),
+// backward (dq, dk, dv; atomic and ordered scatter, the ordered one run twice and compared bit for
+// bit) and attn_dist, on random float16 / bfloat16 problems with invalid (-1, negative, >= S,
+// int32 extremes, causally hidden) and repeated indices, rows with no valid index, value shared
+// with key or not. GPU outputs are poisoned (NaN) before each launch and every element is checked.
+// Standalone, so that compute-sanitizer runs it without JAX (--small: a few small cases).
+//
+//   nvcc -std=c++17 -O2 -Icuda -Icuda/include tests/cuda/sparse_check.cu cuda/sparse/forward.cu \
+//     cuda/sparse/backward.cu cuda/sparse/attn_dist.cu cuda/cpu/sparse_forward.cc \
+//     cuda/cpu/sparse_backward.cc cuda/cpu/tiles.cc cuda/cpu/parallel_for.cc -o /tmp/sparse_check
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check_util.h"
+#include "cpu/sparse_attention.h"
+#include "sparse/sparse_gpu.h"
+
+using jfa::DType;
+using jfa::SparseParams;
+
+namespace {
+
+struct Case {
+  int64_t B, T, S, N, K, H, Hv, topk;
+  bool shared_value, causal, bottom_right;
+  DType dtype;
+  int64_t head_group;
+};
+
+// A device buffer of `count` elements of `bytes` each, filled with 0xff bytes (NaN in every float type).
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t size = 0;
+  DeviceBuffer(size_t count, size_t bytes) : size(count * bytes) {
+    CK(cudaMalloc(&ptr, size ? size : 1));
+    poison();
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void poison() { CK(cudaMemset(ptr, 0xff, size)); }
+  template <typename T>
+  void upload(const std::vector<T>& host) { CK(cudaMemcpy(ptr, host.data(), size, cudaMemcpyHostToDevice)); }
+  template <typename T>
+  std::vector<T> download() const {
+    std::vector<T> host(size / sizeof(T));
+    CK(cudaMemcpy(host.data(), ptr, size, cudaMemcpyDeviceToHost));
+    return host;
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+std::vector<uint16_t> random_half(size_t n, DType dt, std::mt19937& rng) {
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> x(n);
+  for (auto& e : x) e = from_float(normal(rng), dt);
+  return x;
+}
+
+// About a quarter invalid (negative, >= S, int32 extremes), repeats for certain when topk > S, and
+// query row 0 of every batch with no valid index.
+std::vector<int32_t> random_indices(const Case& c, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> index(-static_cast<int32_t>(c.S) / 4 - 1, static_cast<int32_t>(c.S + c.S / 4));
+  std::uniform_real_distribution<float> unit;
+  std::vector<int32_t> x(c.B * c.T * c.K * c.topk);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float u = unit(rng);
+    x[i] = u < 0.03f ? INT32_MIN : u < 0.06f ? INT32_MAX : index(rng);
+    if ((i / (c.K * c.topk)) % c.T == 0) x[i] = -1;
+  }
+  return x;
+}
+
+std::vector<float> as_float(const std::vector<uint16_t>& x, DType dt) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = to_float(x[i], dt);
+  return y;
+}
+
+// ‖x − ref‖ / ‖ref‖ over the finite reference entries; every x must be finite there and equal
+// (-inf) where the reference is -inf. Returns +inf on a mismatch of finiteness.
+double rel_err(const std::vector<float>& x, const std::vector<float>& ref) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isinf(ref[i])) {
+      if (x[i] != ref[i]) return INFINITY;
+      continue;
+    }
+    if (!std::isfinite(x[i])) return INFINITY;
+    diff += (double(x[i]) - ref[i]) * (double(x[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+int g_failures = 0;
+
+void expect(bool ok, const char* what, double err, const Case& c) {
+  if (ok) return;
+  ++g_failures;
+  printf("FAIL %s err %.3g: B%lld T%lld S%lld N%lld K%lld H%lld Hv%lld topk%lld shared%d causal%d br%d %s\n", what,
+         err, (long long)c.B, (long long)c.T, (long long)c.S, (long long)c.N, (long long)c.K, (long long)c.H,
+         (long long)c.Hv, (long long)c.topk, c.shared_value, c.causal, c.bottom_right, jfa::dtype_name(c.dtype));
+}
+
+SparseParams shape_params(const Case& c) {
+  SparseParams p;
+  p.dtype = c.dtype;
+  p.B = c.B; p.T = c.T; p.S = c.S; p.N = c.N; p.K = c.K; p.H = c.H; p.Hv = c.Hv; p.topk = c.topk;
+  p.scale = 1.f / std::sqrt(float(c.H));
+  p.is_causal = c.causal;
+  p.causal_offset = c.bottom_right ? c.S - c.T : 0;
+  p.head_group = c.head_group;
+  return p;
+}
+
+void run_case(const Case& c, std::mt19937& rng) {
+  const DType dt = c.dtype;
+  const float fwd_bound = dt == DType::kBFloat16 ? 2e-2f : 3e-3f, grad_bound = 4 * fwd_bound;
+  auto q = random_half(c.B * c.T * c.N * c.H, dt, rng), k = random_half(c.B * c.S * c.K * c.H, dt, rng);
+  auto v = random_half(c.shared_value ? 0 : c.B * c.S * c.K * c.Hv, dt, rng);
+  auto dout = random_half(c.B * c.T * c.N * c.Hv, dt, rng);
+  std::vector<float> dlse(c.B * c.T * c.N);
+  std::normal_distribution<float> normal;
+  for (auto& e : dlse) e = normal(rng);
+  const auto indices = random_indices(c, rng);
+
+  // CPU: the reference.
+  SparseParams h = shape_params(c);
+  std::vector<uint16_t> o_ref(dout.size()), dq_ref(q.size()), dk_ref(k.size()), dv_ref(v.size());
+  std::vector<float> lse_ref(dlse.size()), dist_ref(c.B * (c.N / c.head_group) * c.T * c.topk);
+  h.q = q.data(); h.k = k.data(); h.v = c.shared_value ? nullptr : v.data(); h.indices = indices.data();
+  h.o = o_ref.data(); h.lse = lse_ref.data();
+  jfa::cpu::sparse_forward(h);
+  for (size_t i = 0; i < dlse.size(); ++i)
+    if (std::isinf(lse_ref[i])) dlse[i] = 0.f;
+  h.dout = dout.data(); h.dlse = dlse.data(); h.dq = dq_ref.data(); h.dk = dk_ref.data();
+  h.dv = c.shared_value ? nullptr : dv_ref.data();
+  jfa::cpu::sparse_backward(h);
+  h.dist = dist_ref.data();
+  jfa::cpu::attn_dist(h);
+
+  // GPU.
+  DeviceBuffer d_q(q.size(), 2), d_k(k.size(), 2), d_v(v.size(), 2), d_idx(indices.size(), 4);
+  DeviceBuffer d_o(dout.size(), 2), d_lse(dlse.size(), 4), d_dout(dout.size(), 2), d_dlse(dlse.size(), 4);
+  DeviceBuffer d_dq(q.size(), 2), d_dk(k.size(), 2), d_dv(v.size(), 2), d_dist(dist_ref.size(), 4);
+  DeviceBuffer d_dk_acc(k.size(), 4), d_dv_acc(c.shared_value ? 0 : c.B * c.S * c.K * c.Hv, 4);
+  DeviceBuffer d_softmax_d(dlse.size(), 4);
+  d_q.upload(q); d_k.upload(k); if (!c.shared_value) d_v.upload(v);
+  d_idx.upload(indices); d_dout.upload(dout); d_dlse.upload(dlse);
+  SparseParams g = shape_params(c);
+  g.q = d_q.ptr; g.k = d_k.ptr; g.v = c.shared_value ? nullptr : d_v.ptr; g.indices = d_idx.as<int32_t>();
+  g.o = d_o.ptr; g.lse = d_lse.as<float>();
+  CK(jfa::sparse_gpu::forward(g, nullptr));
+  CK(cudaDeviceSynchronize());
+  const auto o = as_float(d_o.download<uint16_t>(), dt), lse = d_lse.download<float>();
+  const double o_err = rel_err(o, as_float(o_ref, dt)), lse_err = rel_err(lse, lse_ref);
+  expect(o_err <= fwd_bound, "forward out", o_err, c);
+  expect(lse_err <= 1e-4, "forward lse", lse_err, c);
+
+  // The backward reads the CPU's o and lse, so both sides differentiate the same forward.
+  d_o.upload(o_ref);
+  d_lse.upload(lse_ref);
+  g.dout = d_dout.ptr; g.dlse = d_dlse.as<float>(); g.dq = d_dq.ptr; g.dk = d_dk.ptr;
+  g.dv = c.shared_value ? nullptr : d_dv.ptr;
+  jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), c.shared_value ? nullptr : d_dv_acc.as<float>(),
+                                              d_softmax_d.as<float>()};
+  std::vector<uint16_t> first_dk;
+  for (bool deterministic : {false, true, true}) {
+    g.deterministic = deterministic;
+    d_dq.poison(); d_dk.poison(); d_dv.poison(); d_dk_acc.poison(); d_dv_acc.poison(); d_softmax_d.poison();
+    CK(jfa::sparse_gpu::backward(g, ws, nullptr));
+    CK(cudaDeviceSynchronize());
+    const auto dk_raw = d_dk.download<uint16_t>();
+    const double dq_err = rel_err(as_float(d_dq.download<uint16_t>(), dt), as_float(dq_ref, dt));
+    const double dk_err = rel_err(as_float(dk_raw, dt), as_float(dk_ref, dt));
+    expect(dq_err <= grad_bound, deterministic ? "ordered dq" : "atomic dq", dq_err, c);
+    expect(dk_err <= grad_bound, deterministic ? "ordered dk" : "atomic dk", dk_err, c);
+    if (!c.shared_value) {
+      const double dv_err = rel_err(as_float(d_dv.download<uint16_t>(), dt), as_float(dv_ref, dt));
+      expect(dv_err <= grad_bound, deterministic ? "ordered dv" : "atomic dv", dv_err, c);
+    }
+    if (deterministic && !first_dk.empty()) expect(dk_raw == first_dk, "ordered dk bitwise repeat", 0, c);
+    if (deterministic) first_dk = dk_raw;
+  }
+
+  g.dist = d_dist.as<float>();
+  CK(jfa::sparse_gpu::attn_dist(g, nullptr));
+  CK(cudaDeviceSynchronize());
+  const double dist_err = rel_err(d_dist.download<float>(), dist_ref);
+  expect(dist_err <= 1e-4, "attn_dist", dist_err, c);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  const char* seed_env = std::getenv("JFA_CHECK_SEED");
+  const unsigned seed = seed_env != nullptr ? unsigned(std::strtoul(seed_env, nullptr, 10)) : std::random_device{}();
+  printf("seed: %u\n", seed);
+  std::mt19937 rng(seed);
+  const DType BF = DType::kBFloat16, FP = DType::kFloat16;
+  // B, T, S, N, K, H, Hv, topk, shared value, causal, bottom-right, dtype, head_group.
+  std::vector<Case> cases = {
+      {1, 1, 9, 4, 1, 64, 64, 13, false, false, false, BF, 4},
+      {2, 17, 70, 8, 2, 64, 48, 40, false, true, true, FP, 4},
+      {1, 9, 5, 4, 4, 32, 32, 7, true, true, false, BF, 2},
+  };
+  if (!small) {
+    cases.push_back({1, 33, 300, 16, 1, 576, 512, 130, true, true, true, BF, 16});
+    cases.push_back({2, 64, 64, 8, 2, 128, 128, 64, false, true, false, FP, 8});
+    cases.push_back({1, 5, 2000, 128, 1, 576, 512, 2048, true, true, true, BF, 64});
+  }
+  for (const Case& c : cases) run_case(c, rng);
+  printf("%zu cases, %d failures\n", cases.size(), g_failures);
+  return g_failures ? 1 : 0;
+}
