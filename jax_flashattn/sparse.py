@@ -128,7 +128,7 @@ def sparse_attention(query, key, value, indices, *, scale=None, is_causal=False,
 
     Differentiable in query, key and value (custom_vjp from the saved LSE); jit, vmap (any
     in_axes) and grad work. CPU: float32, float16, bfloat16 (float32 arithmetic). GPU: CUDA
-    kernels on CUDA cores, correct but not yet fast (docs/sparse-attention.md).
+    kernels on CUDA cores, not yet fast (docs/sparse-attention.md).
     """
     query, key = jnp.asarray(query), jnp.asarray(key)
     _check_query_key("sparse_attention", query, key)

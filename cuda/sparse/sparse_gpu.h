@@ -2,7 +2,7 @@
 // Host-only declarations: includable from a .cc compiled by a plain C++ compiler.
 //
 // These are portable CUDA-core kernels (sm80 and later, float32/float16/bfloat16): one CTA per query
-// row (per group of heads for attn_dist), correct for every size but far from tensor-core speed.
+// row (per group of heads for attn_dist), for every size but far from tensor-core speed.
 // Every index is tested with sparse_index_valid before the key or value row it names is read.
 #pragma once
 
