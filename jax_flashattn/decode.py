@@ -10,10 +10,12 @@ few to fill the GPU, each streaming the whole cache. For such calls the dispatch
   * merges the blocks' outputs through their log-sum-exps (float32).
 Everything is differentiable through the kernels' LSE. The split runs on CUDA devices only
 (`jax.lax.platform_dependent`); elsewhere, and for calls it does not cover, the plain call runs.
+JFA_DECODE_SPLIT=0 in the environment (read when a call is traced) turns it off, for A/B timing.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,7 @@ def _sm_count() -> int:
 
 def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
     """The split for this call, or None where it does not apply (module docstring)."""
-    if implementation == "cpu":
+    if implementation == "cpu" or os.environ.get("JFA_DECODE_SPLIT") == "0":
         return None
     B, T, N, _ = q_shape
     S, K = k_shape[1], k_shape[2]

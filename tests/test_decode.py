@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flashattn as jfa
 from jax_flashattn import _options, decode
 from jax_flashattn.autodiff import attention, attention_core
 from util import fresh_seed, random_qkv, rel_err
@@ -77,3 +78,26 @@ def test_plan_covers_decoding_calls_only():
     config, extras = _options.canonicalize((1, 4, 8, 64), False, k_len=4096, dropout_rate=0.1,
                                            dropout_rng=jax.random.key(0))
     assert decode.split_plan((1, 4, 8, 64), (1, 4096, 8, 64), config, extras, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoding_calls_on_gpu_match_the_cpu_kernels(case):
+    """On a GPU the dispatcher takes the split by itself for such calls (bf16 against the float32
+    CPU kernels)."""
+    B, T, S, N, K, kw, _, _ = CASES[case]
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, B, T, S * 8, N, K, 64)  # long enough for blocks of 512 keys
+    kw = _keywords(kw)
+    if "key_value_seq_lengths" in kw:
+        kw["key_value_seq_lengths"] = kw["key_value_seq_lengths"] * 8
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        on_cpu = jax.device_put((q, k, v, kw), cpu)
+        want = jax.jit(lambda q, k, v, kw: jfa.flash_attention(q, k, v, return_lse=True, **kw))(*on_cpu)
+    got = jax.jit(lambda q, k, v, kw: jfa.flash_attention(q, k, v, return_lse=True, **kw))(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)), kw)
+    assert rel_err(got[0], want[0]) < 2e-2, f"seed {seed}"
+    finite = np.isfinite(np.asarray(want[1]))
+    assert np.array_equal(np.isfinite(np.asarray(got[1])), finite), f"seed {seed}"
+    assert np.abs(np.asarray(got[1])[finite] - np.asarray(want[1])[finite]).max() < 5e-2, f"seed {seed}"

@@ -1,0 +1,103 @@
+"""Decoding speed: a few new queries against a long KV cache, jax_flashattn against jax.nn (cuDNN,
+XLA) in the same process.
+
+    python benchmarks/bench_decode.py              # the rows below, bf16, N 32, K 8, H 128
+    python benchmarks/bench_decode.py --cpu-smoke  # a tiny float32 run that works on a CPU
+
+Rows (B, T, S): (8, 1, 8k), (8, 1, 32k), (8, 16, 32k), (1, 1, 128k), (32, 1, 8k), (8, 4, 16k);
+bottom-right causal (the T queries are the cache's last positions). jax.nn gets the equivalent
+call: no mask for T = 1 (the query sees the whole cache), else the bottom-right causal mask as a
+boolean [1, 1, T, S]. Impls: jax_flashattn (the default dispatch, which splits the keys for such
+calls: jax_flashattn/decode.py), jax_flashattn_nosplit (JFA_DECODE_SPLIT=0 while it is traced),
+cudnn and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
+block_until_ready; the median per-call time over `--rounds` rounds, the rounds of one row
+alternating between the implementations. Rate: bytes of K and V read per second.
+Writes benchmarks/results/<date>-<device>-decode.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashattn as jfa
+
+ROWS = [(8, 1, 8192), (8, 1, 32768), (8, 16, 32768), (1, 1, 131072), (32, 1, 8192), (8, 4, 16384)]
+IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "cudnn", "xla"]
+
+
+def make_fn(impl, T, S):
+    if impl.startswith("jax_flashattn"):
+        return jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right"))
+    mask = None if T == 1 else (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T)[None, None]
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl))
+
+
+def timed(fn, args, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--out", default=None)
+    a = parser.parse_args()
+    N, K, H = (4, 2, 32) if a.cpu_smoke else (32, 8, 128)
+    dtype = jnp.float32 if a.cpu_smoke else jnp.bfloat16
+    rows = [(2, 1, 1024)] if a.cpu_smoke else ROWS
+    impls = ["jax_flashattn", "xla"] if a.cpu_smoke else a.impls.split(",")
+    device = jax.devices()[0].device_kind.replace(" ", "-").lower()
+    out_path = Path(a.out or Path(__file__).parent / "results" /
+                    f"{datetime.date.today()}-{device}-decode.csv")
+    results = []
+    for B, T, S in rows:
+        keys = jax.random.split(jax.random.key(B * T + S), 3)
+        q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32).astype(dtype)
+        k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32).astype(dtype)
+        v = jax.random.normal(keys[2], (B, S, K, H), jnp.float32).astype(dtype)
+        fns = {}
+        for impl in impls:
+            os.environ["JFA_DECODE_SPLIT"] = "0" if impl == "jax_flashattn_nosplit" else "1"
+            try:
+                fns[impl] = make_fn(impl, T, S)
+                for _ in range(2):
+                    jax.block_until_ready(fns[impl](q, k, v))
+            except Exception as e:  # a peer that does not take the shape
+                print(f"{impl} B={B} T={T} S={S}: skipped ({type(e).__name__}: {str(e)[:80]})")
+                fns.pop(impl, None)
+        os.environ.pop("JFA_DECODE_SPLIT", None)
+        times = {impl: [] for impl in fns}
+        for _ in range(a.rounds):
+            for impl, fn in fns.items():
+                times[impl].append(timed(fn, (q, k, v), a.calls))
+        kv_bytes = 2 * B * S * K * H * jnp.dtype(dtype).itemsize
+        for impl, ts in times.items():
+            ms = float(np.median(ts))
+            gbs = kv_bytes / (ms * 1e-3) / 1e9
+            results.append(dict(device=device, impl=impl, batch=B, queries=T, keys=S, heads=N, kv_heads=K,
+                                hdim=H, ms=round(ms, 4), kv_gb_per_s=round(gbs, 1)))
+            print(f"B={B:3d} T={T:3d} S={S:7d} {impl:24s} {ms:8.3f} ms {gbs:8.0f} GB/s", flush=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
