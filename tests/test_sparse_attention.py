@@ -38,19 +38,20 @@ def check_against_reference(seed, shape, *, dtype=jnp.float32, shared_value=Fals
     give out 0, lse -inf and zero dq. Returns ours (out, lse, grads)."""
     B, T, S, N, K, H, Hv, topk = shape
     q, k, v, indices, do, dlse = random_case(seed, *shape, dtype=dtype, empty_rows=empty_rows)
+    ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}  # the scatter order only
     if shared_value:
         def ours(q, k):
             return jfa.sparse_attention(q, k, None, indices, value_head_dim=Hv, return_lse=True, **kw)
 
         def ref(q, k):
-            return sparse_attention_reference(q, k, None, indices, value_head_dim=Hv, **kw)
+            return sparse_attention_reference(q, k, None, indices, value_head_dim=Hv, **ref_kw)
         args = (q, k)
     else:
         def ours(q, k, v):
             return jfa.sparse_attention(q, k, v, indices, return_lse=True, **kw)
 
         def ref(q, k, v):
-            return sparse_attention_reference(q, k, v, indices, **kw)
+            return sparse_attention_reference(q, k, v, indices, **ref_kw)
         args = (q, k, v)
 
     @jax.jit  # one compiled program: the reference run eagerly would compile op by op
