@@ -12,17 +12,19 @@ layout: sequence chunks r and 2n - 1 - r of 2n). Two strategies:
     computed: with load balancing every step after the first is half a block on every device
     (all queries against an earlier device's first chunk, or the second query chunk against a
     later device's keys).
-  * all_gather: K/V are gathered once and each query chunk attends to the prefix of keys it can
-    see (bottom-right alignment with the prefix as the key length places it at its global
-    position); JAX's transpose of the gather reduce-scatters dK/dV. It holds the whole K/V on
-    every device, which is cheap when K/V are small (GQA). With key lengths the prefix is two
-    calls merged through their LSEs: the keys before the chunk without a causal mask, and the
-    chunk's own keys with one (bottom-right alignment would move the diagonal with the lengths).
+  * all_gather: K/V are gathered once and each query chunk is one call against all of them, told
+    the global position of its first row, so causality (and a window) hide the keys it cannot
+    see and the kernels skip them; JAX's transpose of the gather reduce-scatters dK/dV. It holds
+    the whole K/V on every device, which is cheap when K/V are small (GQA).
 Lengths, bias and masks are cut per block: a block's lengths are the global ones clipped to its
 chunks (padding sits at the end of the global sequence, so the valid rows of any block are a
 prefix of it), and the bias/mask rows of this device are sliced to the keys of the block in hand.
-Windows, ALiBi and dropout need global positions inside the kernels: they raise a ValueError
-naming the keyword.
+Windows, ALiBi and dropout cross shards through the kernels' positions operand: each call is told
+the global positions of its first query row and key, and applies the window, the ALiBi distances
+(and their slope gradient, summed over the calls and devices) and the dropout stream there, so the
+dropout mask is the single-device call's for the same dropout_rng. A call must then cover
+contiguous positions: a ring step of the load-balanced layout is cut into one call per pair of
+chunks, and calls the window leaves empty are skipped.
 """
 from __future__ import annotations
 
@@ -36,15 +38,11 @@ import numpy as np
 
 from . import _options, _validate
 from ._compat import pcast_varying, varying_axes
-from .attention import flash_attention
-from .autodiff import extra_operands, vary_together
+from .autodiff import attention, extra_operands, vary_together
 from .masks import PackedMask
 from .primitives import attention_bwd_p, attention_fwd_p
 
 STRATEGIES = ("ring", "all_gather")
-
-# flash_attention keywords that need each block's global positions inside the kernels.
-_UNSUPPORTED = ("local_window_size", "alibi_slopes", "dropout_rate", "dropout_rng")
 
 
 def _balanced_chunk_order(n: int) -> np.ndarray:
@@ -86,6 +84,10 @@ class _Ring:
     softcap: float | None
     deterministic: bool
     implementation: str | None
+    window: tuple[int, int] | None = None  # (left, right), both >= 0
+    dropout_rate: float = 0.0
+    # Whether the kernels need each piece's global positions (windows, ALiBi, dropout).
+    positional: bool = False
 
 
 class _Keywords(NamedTuple):
@@ -98,6 +100,8 @@ class _Keywords(NamedTuple):
     mask: Optional[jax.Array] = None
     q_lengths: Optional[jax.Array] = None
     kv_lengths: Optional[jax.Array] = None
+    alibi_slopes: Optional[jax.Array] = None   # float32 [1|B, N], differentiable
+    dropout_seeds: Optional[jax.Array] = None  # uint32 [B, 3]
 
 
 def _vary_like(x, ref):
@@ -163,40 +167,115 @@ _PIECES = {"full": ((0, 1), (0, 1), False), "diagonal": ((0, 1), (0, 1), True),
            "last_queries": ((0.5, 1), (0, 1), False)}  # the second query chunk, a later device's block
 
 
-def _piece(kind, T, S):
+class _Call(NamedTuple):
+    """One kernel call of a ring step: local query rows and key columns of the block in hand,
+    the causal flag, and int32 [2] global positions of its first row and key (None: none needed)."""
+    rows: tuple
+    cols: tuple
+    causal: bool
+    positions: Optional[jax.Array] = None
+
+
+def _calls(ring, kind, T, S, rank, source):
+    """The kernel calls of one kind of ring step. Without positional features a kind is one call
+    (in the load-balanced layout a local top-left causal mask on two chunks is the global one).
+    With them each call must cover positions that are contiguous, so a kind is cut into one call
+    per (query chunk, key chunk) pair, each placed at its global positions and masked causally
+    there; a pair causality leaves empty (a query chunk before a key chunk) is dropped."""
     (r0, r1), (c0, c1), causal = _PIECES[kind]
-    return (int(r0 * T), int(r1 * T)), (int(c0 * S), int(c1 * S)), causal
+    rows, cols = (int(r0 * T), int(r1 * T)), (int(c0 * S), int(c1 * S))
+    if not ring.positional:
+        return [_Call(rows, cols, causal)]
+    calls = []
+    q_chunks, k_chunks = _chunks(ring, rank, T), _chunks(ring, source, S)
+    for qi, (q_start, q_size, q_global) in enumerate(q_chunks):
+        for ki, (k_start, k_size, k_global) in enumerate(k_chunks):
+            lo, hi = max(rows[0], q_start), min(rows[1], q_start + q_size)
+            first, last = max(cols[0], k_start), min(cols[1], k_start + k_size)
+            if lo >= hi or first >= last or (kind == "diagonal" and ki > qi):
+                continue
+            positions = jnp.stack([q_global + lo - q_start, k_global + first - k_start]).astype(jnp.int32)
+            calls.append(_Call((lo, hi), (first, last), ring.causal, positions))
+    return calls
 
 
-def _canonical(ring, q, k, kw, kv_ids, rank, source, piece):
-    """(MaskConfig, Extras) of one piece (query rows, key columns, causal) of q against the
-    block of `source`: the lengths clipped to it and the bias/mask cut to it."""
+def _visible(ring, call):
+    """Traced: whether the window (and causality) leaves any pair of the call visible; None where
+    nothing but the call's own masks can empty it."""
+    if ring.window is None or call.positions is None:
+        return None
+    left, right = ring.window
+    if ring.causal:
+        right = min(right, 0)
+    rows, cols = call.rows[1] - call.rows[0], call.cols[1] - call.cols[0]
+    # key position minus query position over the call spans [lowest, highest]
+    lowest = call.positions[1] - call.positions[0] - (rows - 1)
+    highest = call.positions[1] + cols - 1 - call.positions[0]
+    return (lowest <= right) & (highest >= -left)
+
+
+def _when_visible(ring, call, compute, empty):
+    """compute() where the call may see something, else empty() (both traced alike)."""
+    visible = _visible(ring, call)
+    if visible is None:
+        return compute()
+    return jax.lax.cond(visible, compute, empty)
+
+
+def _canonical(ring, q, k, kw, kv_ids, rank, source, call):
+    """(MaskConfig, Extras) of one call of q against the block of `source`: the lengths clipped to
+    it, the bias/mask cut to it, and its positions."""
     T, S = q.shape[1], k.shape[1]
-    rows, cols, causal = piece
-    config, extras = _options.canonicalize(
-        (q.shape[0], rows[1] - rows[0]) + q.shape[2:], False, k_len=cols[1] - cols[0], is_causal=causal,
+    rows, cols = call.rows, call.cols
+    return _options_for(
+        ring, (q.shape[0], rows[1] - rows[0]) + q.shape[2:], cols[1] - cols[0], call.causal, kw,
         bias=_cut(kw.bias, rows, cols, source * S), mask=_cut(kw.mask, rows, cols, source * S),
         query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, *rows),
         key_value_seq_lengths=_valid_count(ring, kw.kv_lengths, source, S, *cols),
         q_segment_ids=_rows(kw.q_ids, *rows), kv_segment_ids=_rows(kv_ids, *cols),
-        softcap=ring.softcap, deterministic=ring.deterministic)
+        positions=call.positions)
+
+
+def _options_for(ring, q_shape, k_len, causal, kw, positions, **operands):
+    """(MaskConfig, Extras) of one kernel call: the ring's static options, the ALiBi slopes and
+    dropout seeds of the whole call, and this call's operands and positions."""
+    config, extras = _options.canonicalize(
+        q_shape, False, k_len=k_len, is_causal=causal, softcap=ring.softcap,
+        deterministic=ring.deterministic, local_window_size=ring.window,
+        alibi_slopes=kw.alibi_slopes, positions=positions, **operands)
+    if ring.dropout_rate:
+        config = dataclasses.replace(config, dropout_rate=ring.dropout_rate)
+        extras = extras._replace(dropout_seeds=kw.dropout_seeds)
     return config, extras
+
+
+def _unseen(q, Hv):
+    """(out, lse) of rows that see no key: zero and -inf, float32."""
+    o = _vary_like(jnp.zeros(q.shape[:3] + (Hv,), jnp.float32), q)
+    return o, _vary_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
 
 
 def _forward_kind(ring, kind, q, k, v, kw, kv_ids, rank, source):
     """(out float32, lse) of all of q against the block in hand, zero / -inf where unseen."""
     T, Hv = q.shape[1], v.shape[-1]
     if kind == "skip":
-        o = jnp.zeros(q.shape[:3] + (Hv,), jnp.float32)
-        return _vary_like(o, q), _vary_like(jnp.full(q.shape[:3], -jnp.inf, jnp.float32), q)
-    piece = _piece(kind, T, k.shape[1])
-    (r0, r1), (c0, c1), _ = piece
-    config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, piece)
-    o, lse = attention_fwd_p.bind(q[:, r0:r1], k[:, c0:c1], v[:, c0:c1],
-                                  *extra_operands(extras.bias, extras[1:]), scale=ring.scale,
-                                  config=config, implementation=ring.implementation)
-    return (_pad_rows(o.astype(jnp.float32), r0, T - r1, 0.0, q),
-            _pad_rows(lse, r0, T - r1, -jnp.inf, q))
+        return _unseen(q, Hv)
+    result = None
+    for call in _calls(ring, kind, T, k.shape[1], rank, source):
+        (r0, r1), (c0, c1) = call.rows, call.cols
+
+        def compute(call=call, r0=r0, r1=r1, c0=c0, c1=c1):
+            config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, call)
+            o, lse = attention_fwd_p.bind(q[:, r0:r1], k[:, c0:c1], v[:, c0:c1],
+                                          *extra_operands(extras.bias, extras[1:]),
+                                          scale=ring.scale, config=config,
+                                          implementation=ring.implementation)
+            return (_pad_rows(o.astype(jnp.float32), r0, T - r1, 0.0, q),
+                    _pad_rows(lse, r0, T - r1, -jnp.inf, q))
+
+        part = _when_visible(ring, call, compute, lambda: _unseen(q, Hv))
+        result = part if result is None else _merge(*result, *part)
+    return _unseen(q, Hv) if result is None else result
 
 
 def _bias_block_shape(bias, T, S):
@@ -205,33 +284,47 @@ def _bias_block_shape(bias, T, S):
 
 
 def _backward_kind(ring, kind, q, k, v, o, lse, do, dlse, kw, kv_ids, rank, source):
-    """Float32 (dq, dk, dv, dbias) of one block, from the final output and LSE of the whole ring;
-    dbias (None without bias) covers this device's rows and the block's keys."""
+    """Float32 (dq, dk, dv, dbias, dslopes) of one block, from the final output and LSE of the
+    whole ring; dbias (None without bias) covers this device's rows and the block's keys, dslopes
+    (None without ALiBi) is [B, N]."""
     T, S = q.shape[1], k.shape[1]
     zeros = lambda shape: _vary_like(jnp.zeros(shape, jnp.float32), q)  # noqa: E731
-    if kind == "skip":
+
+    def nothing():
         dbias = None if kw.bias is None else zeros(_bias_block_shape(kw.bias, T, S))
-        return zeros(q.shape), zeros(k.shape), zeros(v.shape), dbias
-    piece = _piece(kind, T, S)
-    (r0, r1), (c0, c1), _ = piece
-    config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, piece)
-    rows = lambda x: x[:, r0:r1]  # noqa: E731
-    dq, dk, dv, dbias, _ = attention_bwd_p.bind(
-        rows(q), k[:, c0:c1], v[:, c0:c1], rows(o), rows(lse), rows(do), rows(dlse),
-        *extra_operands(extras.bias, extras[1:]), scale=ring.scale, config=config,
-        implementation=ring.implementation)
-    dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
-    if kw.bias is not None:
-        dbias = dbias.astype(jnp.float32)
-        if dbias.shape[2] != 1:
-            dbias = _pad_axis(dbias, 2, r0, T - r1, 0.0, q)
-        if dbias.shape[3] != 1:
-            dbias = _pad_axis(dbias, 3, c0, S - c1, 0.0, q)
-        dbias = _vary_like(dbias, q)
-    else:
-        dbias = None
-    return (_pad_rows(dq, r0, T - r1, 0.0, q), _pad_rows(dk, c0, S - c1, 0.0, q),
-            _pad_rows(dv, c0, S - c1, 0.0, q), dbias)
+        dslopes = None if kw.alibi_slopes is None else zeros((q.shape[0], q.shape[2]))
+        return zeros(q.shape), zeros(k.shape), zeros(v.shape), dbias, dslopes
+
+    total = nothing()
+    if kind == "skip":
+        return total
+    for call in _calls(ring, kind, T, S, rank, source):
+        (r0, r1), (c0, c1) = call.rows, call.cols
+
+        def compute(call=call, r0=r0, r1=r1, c0=c0, c1=c1):
+            config, extras = _canonical(ring, q, k, kw, kv_ids, rank, source, call)
+            rows = lambda x: x[:, r0:r1]  # noqa: E731
+            dq, dk, dv, dbias, dslopes = attention_bwd_p.bind(
+                rows(q), k[:, c0:c1], v[:, c0:c1], rows(o), rows(lse), rows(do), rows(dlse),
+                *extra_operands(extras.bias, extras[1:]), scale=ring.scale, config=config,
+                implementation=ring.implementation)
+            dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
+            if kw.bias is not None:
+                dbias = dbias.astype(jnp.float32)
+                if dbias.shape[2] != 1:
+                    dbias = _pad_axis(dbias, 2, r0, T - r1, 0.0, q)
+                if dbias.shape[3] != 1:
+                    dbias = _pad_axis(dbias, 3, c0, S - c1, 0.0, q)
+                dbias = _vary_like(dbias, q)
+            else:
+                dbias = None
+            dslopes = None if kw.alibi_slopes is None else _vary_like(dslopes.astype(jnp.float32), q)
+            return (_pad_rows(dq, r0, T - r1, 0.0, q), _pad_rows(dk, c0, S - c1, 0.0, q),
+                    _pad_rows(dv, c0, S - c1, 0.0, q), dbias, dslopes)
+
+        grads = _when_visible(ring, call, compute, nothing)
+        total = tuple(None if t is None else t + g for t, g in zip(total, grads))
+    return total
 
 
 def _step_kind(ring, step, rank):
@@ -311,6 +404,9 @@ def _ring_bwd(ring, residuals, cotangents):
     # The bias belongs to this device's rows, so its gradient stays here: each step fills the
     # columns of the block in hand (every block passes once).
     dbias = None if kw.bias is None else _vary_like(jnp.zeros(kw.bias.shape, jnp.float32), q)
+    # Per batch element and head; the slopes' own shape (shared by the batch or not) at the end.
+    dslopes = None if kw.alibi_slopes is None else _vary_like(
+        jnp.zeros((q.shape[0], q.shape[2]), jnp.float32), q)
     # Each block's dK/dV accumulator travels with the block and, after the last step, one more
     # hop brings it home to the block's owner.
     dkv = (_vary_like(jnp.zeros(k.shape, jnp.float32), q), _vary_like(jnp.zeros(v.shape, jnp.float32), q))
@@ -319,18 +415,22 @@ def _ring_bwd(ring, residuals, cotangents):
         if step + 1 < ring.n:
             incoming = _send_to_next(ring, block)
         source = (rank - step) % ring.n
-        dq_block, dk_block, dv_block, dbias_block = _run_step(
+        dq_block, dk_block, dv_block, dbias_block, dslopes_block = _run_step(
             ring, step, rank,
             lambda kind: _backward_kind(ring, kind, q, *block[:2], o, lse, do, dlse, kw, block[2],
                                         rank, source))
         dq = dq + dq_block
+        if dslopes is not None:
+            dslopes = dslopes + dslopes_block
         if dbias is not None:
             dbias = (dbias + dbias_block if dbias.shape[3] == 1 else
                      jax.lax.dynamic_update_slice_in_dim(dbias, dbias_block, source * S, axis=3))
         dkv = _send_to_next(ring, (dkv[0] + dk_block, dkv[1] + dv_block))
         if step + 1 < ring.n:
             block = incoming
-    d_kw = _Keywords(bias=dbias)
+    if dslopes is not None and kw.alibi_slopes.shape[0] == 1:
+        dslopes = jnp.sum(dslopes, axis=0, keepdims=True)
+    d_kw = _Keywords(bias=dbias, alibi_slopes=dslopes)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), d_kw
 
 
@@ -346,66 +446,36 @@ def _keys_in_sequence_order(x, ring, axis):
 
 def _all_gather_attention(q, k, v, kw, ring):
     gather = lambda x: None if x is None else jax.lax.all_gather(x, ring.axis_name, axis=1, tiled=True)  # noqa: E731
-    k_all, v_all, kv_ids_all = gather(k), gather(v), gather(kw.kv_ids)
-    keywords = dict(scale=ring.scale, softcap=ring.softcap, deterministic=ring.deterministic,
-                    implementation=ring.implementation, return_lse=True)
-    rank = jax.lax.axis_index(ring.axis_name)
-    B, T = q.shape[:2]
-    if not ring.causal:
-        return flash_attention(q, k_all, v_all, bias=kw.bias, mask=kw.mask,
-                               query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, 0, T),
-                               key_value_seq_lengths=kw.kv_lengths, q_segment_ids=kw.q_ids,
-                               kv_segment_ids=kv_ids_all, **keywords)
     # In sequence order a key's index is its position (and the bias/mask columns follow the keys).
-    k_all, v_all, kv_ids_all = (_keys_in_sequence_order(x, ring, 1) for x in (k_all, v_all, kv_ids_all))
+    k_all, v_all, kv_ids_all = (_keys_in_sequence_order(gather(x), ring, 1)
+                                for x in (k, v, kw.kv_ids))
     bias, mask = (_keys_in_sequence_order(x, ring, 3) for x in (kw.bias, kw.mask))
-    S_all = k_all.shape[1]
+    rank = jax.lax.axis_index(ring.axis_name)
+    T, S_all = q.shape[1], k_all.shape[1]
+    # Each query chunk is one call placed at its global position against every key (key 0 at 0):
+    # causality, windows, ALiBi and dropout then see global positions, and the kernels' key
+    # ranges skip the keys causality or a window hides.
+    needs_positions = ring.causal or ring.positional
     outs, lses = [], []
     for start, size, global_start in _chunks(ring, rank, T):
         rows = (start, start + size)
-        q_chunk = q[:, start:start + size]
-        q_lengths = _valid_count(ring, kw.q_lengths, rank, T, *rows)
-        chunk = dict(q_segment_ids=_rows(kw.q_ids, *rows), query_seq_lengths=q_lengths, **keywords)
-        if kw.kv_lengths is None:
-            # Bottom-right alignment with the chunk's key prefix as the key length puts its query i
-            # at global position global_start + i; the kernels skip the keys past the prefix.
-            prefix = global_start + (size if q_lengths is None else q_lengths)
-            o, lse = flash_attention(q_chunk, k_all, v_all, is_causal=True,
-                                     causal_alignment="bottom_right",
-                                     key_value_seq_lengths=jnp.broadcast_to(prefix, (B,)).astype(jnp.int32),
-                                     bias=_cut(bias, rows, (0, S_all), 0),
-                                     mask=_cut(mask, rows, (0, S_all), 0),
-                                     kv_segment_ids=kv_ids_all, **chunk)
-        else:
-            # Valid key lengths would move a bottom-right diagonal: the keys before the chunk
-            # (all visible) and the chunk's own keys (causal, top-left) are two calls.
-            o_before, lse_before = flash_attention(
-                q_chunk, k_all, v_all, key_value_seq_lengths=jnp.minimum(kw.kv_lengths, global_start),
-                bias=_cut(bias, rows, (0, S_all), 0), mask=_cut(mask, rows, (0, S_all), 0),
-                kv_segment_ids=kv_ids_all, **chunk)
-            own = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, global_start, size, axis=1)  # noqa: E731
-            o_own, lse_own = flash_attention(
-                q_chunk, own(k_all), own(v_all), is_causal=True,
-                key_value_seq_lengths=jnp.clip(kw.kv_lengths - global_start, 0, size).astype(jnp.int32),
-                bias=_cut(bias, rows, (0, size), global_start),
-                mask=_cut(mask, rows, (0, size), global_start),
-                kv_segment_ids=own(kv_ids_all), **chunk)
-            o, lse = _merge(o_before.astype(jnp.float32), lse_before, o_own.astype(jnp.float32), lse_own)
-            o = o.astype(q.dtype)
+        positions = (jnp.stack([global_start, 0]).astype(jnp.int32) if needs_positions else None)
+        config, extras = _options_for(
+            ring, (q.shape[0], size) + q.shape[2:], S_all, ring.causal, kw, positions,
+            bias=_cut(bias, rows, (0, S_all), 0), mask=_cut(mask, rows, (0, S_all), 0),
+            query_seq_lengths=_valid_count(ring, kw.q_lengths, rank, T, *rows),
+            key_value_seq_lengths=kw.kv_lengths, q_segment_ids=_rows(kw.q_ids, *rows),
+            kv_segment_ids=kv_ids_all)
+        o, lse = attention(q[:, start:start + size], k_all, v_all, ring.scale, config, extras,
+                           ring.implementation)
         outs.append(o)
         lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
-def _check(query, key, value, axis_name, strategy, is_causal, load_balanced, keywords):
-    for name, value_ in keywords.items():
-        if name not in _UNSUPPORTED:
-            raise TypeError(f"context_parallel_attention got an unexpected keyword {name!r}")
-        if value_ is not None and not (name == "dropout_rate" and value_ == 0.0):
-            raise ValueError(f"context_parallel_attention does not support {name} across shards "
-                             "yet (windows, ALiBi and dropout need each block's global positions "
-                             "inside the kernels); use flash_attention under jit, which keeps the "
-                             "query sequence sharded where it can")
+def _check(query, key, value, axis_name, strategy, is_causal, load_balanced):
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     for name, flag in (("is_causal", is_causal), ("load_balanced", load_balanced)):
@@ -455,8 +525,9 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
                                is_causal=False, scale=None, return_lse=False, bias=None, mask=None,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                q_segment_ids=None, kv_segment_ids=None, softcap=None,
-                               causal_alignment="top_left", deterministic=False,
-                               implementation=None, **keywords):
+                               causal_alignment="top_left", local_window_size=None,
+                               alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+                               deterministic=False, implementation=None):
     """Attention over a sequence split along the mesh axis `axis_name`, inside `shard_map`.
 
     Each device passes its block of the sequence: query [B, T/n, N, H], key [B, S/n, K, H],
@@ -486,16 +557,22 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
         With is_causal=True they need causal_alignment='top_left': bottom-right alignment moves
         the diagonal with the valid lengths, which no per-block call expresses, so that
         combination raises a ValueError (with equal query and key lengths both alignments agree).
+      local_window_size, alibi_slopes (differentiable; [N] or [B, N], the same on every
+      device), dropout_rate, dropout_rng: as in flash_attention, at global positions: every
+      kernel call is told where its first query row and key sit in the global sequence, so
+      windows, ALiBi and the dropout mask are those of the single-device call (the same
+      dropout_rng gives the same mask). A window or ALiBi with causal_alignment='bottom_right'
+      needs T = S per device and no lengths (where both alignments agree). Dropout with the ring
+      needs the devices' key chunks (S/n, or S/2n load-balanced) to be multiples of 4, as the
+      dropout stream draws 4 neighbouring keys at once; all_gather has no such limit.
       scale, return_lse, q_segment_ids, kv_segment_ids (packed documents may span devices),
       softcap, causal_alignment, deterministic, implementation: as in flash_attention.
-      local_window_size, alibi_slopes and dropout need global positions inside the kernels and
-      raise a ValueError naming them.
 
     Returns:
       out [B, T/n, N, Hv], or (out, lse) with lse float32 [B, T/n, N].
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    n = _check(query, key, value, axis_name, strategy, is_causal, load_balanced, keywords)
+    n = _check(query, key, value, axis_name, strategy, is_causal, load_balanced)
     if causal_alignment not in _options.ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {_options.ALIGNMENTS}, got {causal_alignment!r}")
     given_lengths = [name for name, x in (("query_seq_lengths", query_seq_lengths),
@@ -510,20 +587,40 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
     scale = _validate.check_scale(scale, query.shape[-1])
     implementation = _validate.check_implementation(implementation)
     # Validates the remaining keywords, segment ids and lengths on the local block.
-    _, local = _options.canonicalize(query.shape, False, k_len=key.shape[1], is_causal=bool(is_causal),
-                                     query_seq_lengths=query_seq_lengths,
-                                     key_value_seq_lengths=key_value_seq_lengths,
-                                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                     softcap=softcap, deterministic=deterministic)
+    config, local = _options.canonicalize(
+        query.shape, False, k_len=key.shape[1], is_causal=bool(is_causal),
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softcap=softcap,
+        local_window_size=local_window_size, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, deterministic=deterministic)
+    window = None if config.window_left < 0 else (config.window_left, config.window_right)
+    T, S = query.shape[1], key.shape[1]
+    balanced = bool(load_balanced and is_causal)
+    aligned = [name for name, x in (("local_window_size", window), ("alibi_slopes", alibi_slopes))
+               if x is not None]
+    if causal_alignment == "bottom_right" and aligned and (T != S or given_lengths):
+        raise ValueError(f"context_parallel_attention: {' and '.join(aligned)} with "
+                         f"causal_alignment='bottom_right' needs as many queries as keys per device "
+                         f"(got {T} and {S}) and no valid lengths (got {given_lengths or 'none'}): "
+                         "only then do both alignments place queries alike; use 'top_left'")
+    key_chunk = S // 2 if balanced else S
+    if config.dropout_rate and strategy == "ring" and (balanced or n > 1) and key_chunk % 4:
+        raise ValueError(f"context_parallel_attention: dropout_rate={config.dropout_rate} with "
+                         f"strategy='ring' needs key chunks of a multiple of 4 keys (the dropout "
+                         f"stream draws 4 neighbouring keys at once), got chunks of {key_chunk} "
+                         f"(key block {key.shape}{', load-balanced' if balanced else ''}); use "
+                         "strategy='all_gather' or a sequence length that divides accordingly")
     kw = _Keywords(local.q_segment_ids, local.kv_segment_ids, _pairwise(bias, "bias", query, key, n),
                    _pairwise(mask, "mask", query, key, n), local.query_seq_lengths,
-                   local.key_value_seq_lengths)
+                   local.key_value_seq_lengths, local.alibi_slopes, local.dropout_seeds)
     if scale < 0:  # as in flash_attention: the kernels stabilise by the largest logit
         query, scale = -query, -scale
     elif scale == 0:
         query, scale = jnp.zeros_like(query), 1.0
-    ring = _Ring(axis_name, n, bool(is_causal), bool(load_balanced and is_causal), scale,
-                 None if softcap is None else float(softcap), bool(deterministic), implementation)
+    ring = _Ring(axis_name, n, bool(is_causal), balanced, scale,
+                 None if softcap is None else float(softcap), bool(deterministic), implementation,
+                 window, config.dropout_rate,
+                 window is not None or alibi_slopes is not None or config.dropout_rate > 0)
     query, key, value, kw = vary_together(query, key, value, kw)
     if strategy == "ring":
         out, lse = _ring_attention(query, key, value, kw, ring)

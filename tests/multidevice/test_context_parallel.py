@@ -140,19 +140,6 @@ def test_load_balance_layout():
         jfa.load_balance(x, 0, 5)
 
 
-@pytest.mark.parametrize("keyword,value", [("dropout_rate", 0.1), ("local_window_size", 4),
-                                           ("alibi_slopes", jnp.ones(4)),
-                                           ("dropout_rng", jax.random.key(0))])
-def test_keywords_that_do_not_cross_shards_are_refused(keyword, value):
-    mesh = cpu_mesh((2,), ("cp",))
-    q, k, v, *_ = problem(0, T=16)
-    f = jax.shard_map(lambda q, k, v: jfa.context_parallel_attention(q, k, v, axis_name="cp",
-                                                                     **{keyword: value}),
-                      mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
-    with pytest.raises(ValueError, match=keyword):
-        f(q, k, v)
-
-
 def test_bad_calls_name_the_argument():
     q, k, v, *_ = problem(0, T=16)
     with pytest.raises(ValueError, match="axis_name='cp'"):
