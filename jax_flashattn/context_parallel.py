@@ -38,6 +38,7 @@ import numpy as np
 
 from . import _options, _validate
 from ._compat import pcast_varying, varying_axes
+from ._lse_merge import merge_by_lse
 from .autodiff import attention, extra_operands, vary_together
 from .masks import PackedMask
 from .primitives import attention_bwd_p, attention_fwd_p
@@ -353,16 +354,8 @@ def _send_to_next(ring, x):
 
 
 def _merge(o, lse, o_block, lse_block):
-    """Two partial attentions over disjoint key sets (float32), combined through their
-    log-sum-exps; rows neither sees stay 0 and -inf, with finite gradients everywhere."""
-    top = jax.lax.stop_gradient(jnp.maximum(lse, lse_block))  # the result does not depend on it
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight, weight_block = jnp.exp(lse - top), jnp.exp(lse_block - top)
-    total = weight + weight_block
-    seen = total > 0
-    total = jnp.where(seen, total, 1.0)
-    o = (o * weight[..., None] + o_block * weight_block[..., None]) / total[..., None]
-    return o, jnp.where(seen, jnp.log(total) + top, -jnp.inf)
+    """Two partial attentions over disjoint key sets (float32), combined through their LSEs."""
+    return merge_by_lse(jnp.stack([o, o_block]), jnp.stack([lse, lse_block]), axis=0)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))

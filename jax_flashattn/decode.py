@@ -20,6 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from ._lse_merge import merge_by_lse
 from ._options import Extras
 
 # Eligible calls: T at most this many queries (after folding the heads of a group)...
@@ -76,18 +77,6 @@ def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
     return SplitPlan(best, fold)
 
 
-def _merge(out, lse, axis):
-    """The blocks' outputs (float32) merged along `axis` by their log-sum-exps; rows no block
-    sees give 0 and -inf with finite gradients."""
-    top = jax.lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.exp(lse - top)
-    total = jnp.sum(weight, axis=axis)
-    seen = total > 0
-    merged = jnp.sum(out * weight[..., None], axis=axis) / jnp.where(seen, total, 1.0)[..., None]
-    return merged, jnp.where(seen, jnp.log(jnp.where(seen, total, 1.0)) + jnp.squeeze(top, axis), -jnp.inf)
-
-
 def split_kv_attention(q, k, v, config, extras: Extras, plan: SplitPlan, call):
     """(out, lse) of the call through `plan`; `call(q, k, v, config, extras)` runs one kernel call."""
     B, T, N, H = q.shape
@@ -115,7 +104,7 @@ def split_kv_attention(q, k, v, config, extras: Extras, plan: SplitPlan, call):
     out, lse = call(fold_batch(q), k.reshape(B * P, chunk, K, H), v.reshape(B * P, chunk, K, Hv),
                     block_config, block_extras)
     out = out.astype(jnp.float32).reshape(B, P, rows, heads, Hv)
-    out, lse = _merge(out, lse.reshape(B, P, rows, heads), axis=1)
+    out, lse = merge_by_lse(out, lse.reshape(B, P, rows, heads), axis=1)
     if plan.fold_heads:
         out = out.transpose(0, 2, 1, 3).reshape(B, 1, N, Hv)
         lse = lse.transpose(0, 2, 1).reshape(B, 1, N)
