@@ -19,6 +19,7 @@ SM90_BWD_HDIMS = [64, 128, 256]  # the backward
 # The Hopper backward's general-path kernels: file suffix -> policy set (cuda/sm90/mask.h).
 SM90_BWD_SETS = {
     "positions": "kBwdPositionsSet",
+    "mask": "kBwdMaskSet",
     "alibi": "kBwdAlibiSet",
     "softcap": "kBwdSoftcapSet",
     "general": "kPolicyAll",

@@ -31,9 +31,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
         gradient has its shape. Never expanded to T×S when smaller.
       mask: bool array broadcastable to [B, N, T, S] (True = attend), or a PackedMask
         (jax_flashattn.pack_mask, block_mask) with T and S of this call, broadcast over B and N
-        alike. The CPU kernels read masks bit-packed (a boolean one is packed inside the call) and
-        skip the tiles its summaries mark empty; the GPU kernels read one byte per element for
-        now, so on a GPU a PackedMask is unpacked inside the call.
+        alike. Every kernel reads masks bit-packed (a boolean one is packed inside the call), skips
+        the tiles its summaries mark empty and tests no element of those marked full.
       query_seq_lengths, key_value_seq_lengths: int32 [B]: valid lengths, padding at the end.
       local_window_size: int w or (left, right): query at position p sees keys in
         [p - left, p + right] (jax.nn's meaning); with is_causal, the intersection.

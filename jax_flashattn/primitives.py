@@ -23,10 +23,9 @@ import jax.numpy as jnp
 
 from . import _ext
 from ._compat import Primitive, apply_primitive, mlir, varying_axes
-from ._mask_packing import lower_packing
+from ._mask_packing import lower_packing, pack_mask_kernel_p
 from ._options import Extras
 from ._segment_chunks import segment_chunks
-from .masks import unpack_bits
 
 attention_fwd_p = Primitive("jfa_attention_fwd")
 attention_fwd_p.multiple_results = True
@@ -108,15 +107,15 @@ def _require(platform: str, implementation):
 
 # ---- CPU -----------------------------------------------------------------------------------------
 
-# The CPU handlers take every extra operand but the boolean mask (rank-0 placeholders included) and
-# config's attributes: their kernels read masks bit-packed, so a boolean mask is packed here, by the
-# pack-mask kernel, into the bits and tiles a PackedMask would bring. The CUDA handlers take every
-# extra operand but the bits and tiles, in the same order, then the segment-id summaries
-# (_segment_chunks.py), plus their workspace results.
+# The handlers of both platforms take every extra operand but the boolean mask (rank-0 placeholders
+# included) and config's attributes: their kernels read masks bit-packed, so a boolean mask is
+# packed in the lowering, by the pack-mask kernel, into the bits and tiles a PackedMask would bring
+# (its tile summaries are what lets the kernels skip empty tiles and test no element of full ones).
+# The CUDA handlers then take the segment-id summaries (_segment_chunks.py) and their workspace
+# results.
 
 _NUM_EXTRAS = len(Extras._fields)
-_CPU_EXTRAS = tuple(name for name in Extras._fields if name != "mask")
-_CUDA_EXTRAS = tuple(name for name in Extras._fields if name not in ("mask_bits", "mask_tiles"))
+_HANDLER_EXTRAS = tuple(name for name in Extras._fields if name != "mask")
 
 
 def _cpu_lowering(target):
@@ -132,7 +131,7 @@ def _cpu_lowering(target):
             values, avals = lower_packing(ctx, mask, mask_aval, T, S)
             extras["mask_bits"], extras["mask_tiles"] = zip(values, avals)
         operands, avals_in = zip(*(list(zip(args[:tensors], ctx.avals_in[:tensors])) +
-                                   [extras[name] for name in _CPU_EXTRAS]))
+                                   [extras[name] for name in _HANDLER_EXTRAS]))
         return lowered(ctx.replace(avals_in=avals_in), *operands, **_mask_ffi_attrs(scale, config))
     return rule
 
@@ -186,13 +185,14 @@ def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _cuda_extras(extras, kv_len):
-    """The CUDA handlers' extra operands: a PackedMask unpacked to the boolean mask the GPU kernels
-    read (MaskParams::mask, one byte per element), keeping its broadcast B and N axes."""
+def _cuda_extras(extras, q_len, kv_len):
+    """The CUDA handlers' extra operands: a boolean mask packed on the device into the bits and
+    tiles a PackedMask would bring, keeping its broadcast B and N axes."""
     extras = dict(zip(Extras._fields, extras))
-    if extras["mask_bits"].ndim:
-        extras["mask"] = unpack_bits(extras["mask_bits"], kv_len)
-    return [extras[name] for name in _CUDA_EXTRAS]
+    if extras["mask"].ndim:
+        extras["mask_bits"], extras["mask_tiles"] = pack_mask_kernel_p.bind(extras["mask"], q_len=q_len,
+                                                                            kv_len=kv_len)
+    return [extras[name] for name in _HANDLER_EXTRAS]
 
 
 def _segment_operands(extras):
@@ -211,7 +211,7 @@ def _cuda_forward(q, k, v, *extras, scale, config):
         _ext.FORWARD_TARGET,
         (jax.ShapeDtypeStruct((B, T, N, Hp), q.dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32),
          jax.ShapeDtypeStruct((1,), jnp.int32)),
-    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *_cuda_extras(extras, k.shape[1]),
+    )(_pad_last(q, Hp), _pad_last(k, Hp), _pad_last(v, Hp), *_cuda_extras(extras, T, k.shape[1]),
       *_segment_operands(extras), **_mask_ffi_attrs(scale, config))
     return o[..., : v.shape[-1]], lse
 
@@ -237,7 +237,7 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
                jax.ShapeDtypeStruct((2, B, N, _dq_accum_rows(T)), jnp.float32),
                jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
     dq, dk, dv, dbias, dslopes, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, k.shape[1]),
+        *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, T, k.shape[1]),
         *_segment_operands(extras), **_mask_ffi_attrs(scale, config),
         deterministic=np.int32(config.deterministic))
     if dbias.shape != extras[0].shape:  # full-shape d(bias): sum the bias's broadcast axes here

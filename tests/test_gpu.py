@@ -363,9 +363,8 @@ def test_boolean_mask_on_gpu(axes):
 
 
 # Bit-packed masks: pack_mask's CUDA kernels against the NumPy model of the layout, and attention
-# with a PackedMask against the reference from its boolean mask. The GPU kernels still read one
-# byte per element, so the lowering unpacks a PackedMask to that boolean mask (its broadcast B and
-# N axes kept); tests/test_packed_mask.py covers the CPU kernels, which read the bits.
+# with a PackedMask against the reference from its boolean mask (the GPU kernels read the bits and
+# tile summaries, as the CPU ones do: tests/test_packed_mask.py).
 
 from test_packed_mask import (CASES as PACKED_CASES, case_mask, numpy_bits, numpy_tiles,  # noqa: E402
                               tile_pattern_mask)
@@ -404,6 +403,23 @@ def test_block_mask_with_other_keywords_on_gpu(H):
     bias = jax.random.normal(jax.random.key(seed + 5), (1, N, T, S))
     compare_with_reference(seed, shape, dict(kw, mask=packed), ref_kw=dict(kw, mask=packed.unpack()),
                            dtype=BF16, bias=bias)
+
+
+@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_block_sparse_mask_on_gpu(H, per_head):
+    """A block mask whose kept 128 x 128 blocks leave empty key blocks inside a query tile's range
+    and whole rows of blocks empty: the kernels skip those (forward: neither loaded nor computed;
+    backward: outside a key block's query range) and must still match the reference, per head
+    (GQA groups whose heads see different blocks) or shared."""
+    seed = fresh_seed()
+    shape = (2, 700, 1100, 4, 2, H)
+    B, T, S, N, K, H = shape
+    blocks = np.random.default_rng(seed).random((B, N if per_head else 1, 6, 9)) < 0.3
+    blocks[:, :, 2] = False  # a row of blocks that sees nothing
+    blocks[:, :, 0, 8] = True
+    packed = jfa.block_mask(blocks, 128, q_len=T, kv_len=S)
+    compare_with_reference(seed, shape, dict(mask=packed), ref_kw=dict(mask=packed.unpack()), dtype=BF16)
 
 
 def test_everything_at_once_on_gpu():

@@ -285,18 +285,23 @@ def test_broadcast_mask_is_never_expanded():
         assert f"{B},{N},{T},{S}" not in text.replace(" ", "")
 
 
-def test_gpu_lowering_unpacks_keeping_broadcast_axes():
-    """On a GPU the kernels read one byte per element: a PackedMask is unpacked to the boolean
-    mask of its own leading shape, and the bits and tiles stay behind."""
+def test_gpu_operands_are_packed_keeping_broadcast_axes():
+    """The CUDA handlers take the mask bit-packed: a boolean mask becomes the bits and tiles that
+    pack_mask gives, of its own leading shape, and a PackedMask's go through as they are."""
     from jax_flashattn._options import Extras
     from jax_flashattn.primitives import _cuda_extras
     mask = random_mask(fresh_seed(), (1, 1, 70, 300), 0.5)
     packed = jfa.pack_mask(mask)
-    extras = {name: jnp.zeros((), jnp.int32) for name in Extras._fields}
-    extras.update(mask_bits=packed.bits, mask_tiles=packed.tiles)
-    operands = _cuda_extras(list(extras.values()), 300)
-    assert len(operands) == len(Extras._fields) - 2
-    np.testing.assert_array_equal(np.asarray(operands[Extras._fields.index("mask")]), mask)
+    field = Extras._fields.index
+    for given in ({"mask": jnp.asarray(mask)}, {"mask_bits": packed.bits, "mask_tiles": packed.tiles}):
+        extras = {name: jnp.zeros((), jnp.int32) for name in Extras._fields}
+        extras.update(given)
+        operands = _cuda_extras(list(extras.values()), 70, 300)
+        assert len(operands) == len(Extras._fields) - 1
+        bits, tiles = operands[field("mask_bits") - 1], operands[field("mask_tiles") - 1]
+        assert field("mask") < field("mask_bits")
+        np.testing.assert_array_equal(np.asarray(bits), np.asarray(packed.bits))
+        np.testing.assert_array_equal(np.asarray(tiles), np.asarray(packed.tiles))
 
 
 def test_cuda_lowering_takes_a_packed_mask():

@@ -6,23 +6,15 @@
 // contribute zero gradient.
 #pragma once
 
-#include "jfa/packed_mask.h"
 #include "jfa/params.h"
 
 namespace jfa::cpu {
 
-// What the CPU kernels read: the call's AttentionParams, with the boolean mask bit-packed
-// (jfa/packed_mask.h) instead of MaskParams::mask's byte per element, which the CPU handlers leave
-// null. A struct of its own so that AttentionParams keeps the layout the GPU kernels are built for.
-struct CpuAttentionParams : AttentionParams {
-  PackedMaskView packed_mask;
-};
-
 // Reads q, k, v; writes o and lse (natural log, float32).
-void forward(const CpuAttentionParams& p);
+void forward(const AttentionParams& p);
 
 // Reads q, k, v, o, lse, dout and dlse (null means a zero cotangent); writes dq, dk, dv.
 // Deterministic: dk/dv are reduced per K/V block and dq per query block, without atomics.
-void backward(const CpuAttentionParams& p);
+void backward(const AttentionParams& p);
 
 }  // namespace jfa::cpu

@@ -40,7 +40,7 @@ struct KeyBlockScratch {
   std::vector<float> lse2, d;    // [kBr]
 };
 
-void key_block_item(const CpuAttentionParams& p, const RowStats& stats, int64_t b, int64_t kv_head, int64_t j0,
+void key_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t kv_head, int64_t j0,
                     KeyBlockScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv);
   const int Hp = round_up_columns(H), Hvp = round_up_columns(Hv);
@@ -119,7 +119,7 @@ double alibi_distance_dot(const float* dst, int keys, int rows, int64_t pos0, in
 }
 
 // dQ of one query block; returns its share of -d(loss)/d(slope) with ALiBi (else 0).
-double query_block_item(const CpuAttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
+double query_block_item(const AttentionParams& p, const RowStats& stats, int64_t b, int64_t n, int64_t i0,
                         QueryBlockScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv), Hp = round_up_columns(H);
   const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
@@ -161,7 +161,7 @@ double query_block_item(const CpuAttentionParams& p, const RowStats& stats, int6
 
 }  // namespace
 
-void backward(const CpuAttentionParams& p) {
+void backward(const AttentionParams& p) {
   if (p.B == 0 || p.N == 0) return;
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv);
   const RowStats stats = row_stats(p);

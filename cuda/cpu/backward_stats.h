@@ -33,6 +33,6 @@ void load_stats(const RowStats& stats, int64_t b, int64_t n, int64_t N, int64_t 
                 float* d);
 
 // Pass 3 (only with a bias): d(bias) in the bias's broadcast shape (see bias_grad.cc).
-void bias_gradient(const CpuAttentionParams& p, const RowStats& stats);
+void bias_gradient(const AttentionParams& p, const RowStats& stats);
 
 }  // namespace jfa::cpu

@@ -31,7 +31,7 @@ struct BiasGradScratch {
 };
 
 // dS of one tile into w.dp (row layout, ld kBc); false if the tile is skipped (dS = 0).
-bool tile_ds(const CpuAttentionParams& p, const RowStats& stats, const TileCoords& t, BiasGradScratch& w) {
+bool tile_ds(const AttentionParams& p, const RowStats& stats, const TileCoords& t, BiasGradScratch& w) {
   const SequenceBounds bounds = sequence_bounds(p, t.b);
   const TileMasks masks = tile_masks(p, bounds, t);
   if (masks.kind == TileKind::kSkip) return false;
@@ -56,7 +56,7 @@ bool tile_ds(const CpuAttentionParams& p, const RowStats& stats, const TileCoord
 
 }  // namespace
 
-void bias_gradient(const CpuAttentionParams& p, const RowStats& stats) {
+void bias_gradient(const AttentionParams& p, const RowStats& stats) {
   const int64_t* dims = p.mask.bias_dims;  // [Bb, Nb, Tb, Sb], each 1 (broadcast) or full
   const bool per_b = dims[0] != 1, per_n = dims[1] != 1, per_i = dims[2] != 1, per_j = dims[3] != 1;
   const int64_t q_blocks = (p.T + kBr - 1) / kBr, k_blocks = (p.S + kBc - 1) / kBc;

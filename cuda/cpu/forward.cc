@@ -34,7 +34,7 @@ struct ForwardScratch {
   std::vector<float> m, l;  // per query: running max (log2 units) and sum of exp2
 };
 
-void forward_item(const CpuAttentionParams& p, int64_t b, int64_t n, int64_t i0, ForwardScratch& w) {
+void forward_item(const AttentionParams& p, int64_t b, int64_t n, int64_t i0, ForwardScratch& w) {
   const int H = static_cast<int>(p.H), Hv = static_cast<int>(p.Hv), Hvp = round_up_columns(Hv);
   const int rows = static_cast<int>(std::min<int64_t>(kBr, p.T - i0));
   const int64_t kv_head = n / p.group_size();
@@ -79,7 +79,7 @@ void forward_item(const CpuAttentionParams& p, int64_t b, int64_t n, int64_t i0,
 
 }  // namespace
 
-void forward(const CpuAttentionParams& p) {
+void forward(const AttentionParams& p) {
   if (p.B == 0 || p.T == 0 || p.N == 0) return;
   const int64_t q_blocks = (p.T + kBr - 1) / kBr;
   const int64_t items = p.B * p.N * q_blocks;

@@ -83,18 +83,18 @@ void for_each_hidden_element(const PackedMaskView& m, const TileCoords& t, Hide 
 
 }  // namespace
 
-TileMasks tile_masks(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
+TileMasks tile_masks(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t) {
   const TileKind policies = policy_kind(p, s, t);
-  if (policies == TileKind::kSkip || !p.packed_mask.present())
+  if (policies == TileKind::kSkip || !p.mask.packed_mask.present())
     return TileMasks{policies, policies == TileKind::kPartial, false};
-  const TileKind bits = packed_mask_kind(p.packed_mask, t);
+  const TileKind bits = packed_mask_kind(p.mask.packed_mask, t);
   if (bits == TileKind::kSkip) return TileMasks{TileKind::kSkip, false, false};
   const bool partial = policies == TileKind::kPartial || bits == TileKind::kPartial;
   return TileMasks{partial ? TileKind::kPartial : TileKind::kFull, policies == TileKind::kPartial,
                    bits == TileKind::kPartial};
 }
 
-void prepare_scores(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t,
+void prepare_scores(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t,
                     const TileMasks& masks, float* scores, int ld, bool transposed, float* softcap_grad) {
   const bool modify = p.mask.has_score_mod();
   // Element (r, c) = query i0 + r, key j0 + c, in either layout.
@@ -113,12 +113,12 @@ void prepare_scores(const CpuAttentionParams& p, const SequenceBounds& s, const 
   const bool partial = masks.kind == TileKind::kPartial;
   if (partial && !masks.test_positions && !modify && softcap_grad == nullptr) {
     // Only the mask's bits decide, and nothing else changes a score.
-    for_each_hidden_element(p.packed_mask, t, [&](int r, int c) { at(scores, r, c) = -INFINITY; });
+    for_each_hidden_element(p.mask.packed_mask, t, [&](int r, int c) { at(scores, r, c) = -INFINITY; });
     return;
   }
   for (int r = 0; r < t.rows; ++r) {
     const int64_t i = t.i0 + r;
-    const uint32_t* bits = partial && masks.test_bits ? p.packed_mask.row(t.b, t.n, i) : nullptr;
+    const uint32_t* bits = partial && masks.test_bits ? p.mask.packed_mask.row(t.b, t.n, i) : nullptr;
     for (int c = 0; c < t.cols; ++c) {
       const int64_t j = t.j0 + c;
       float& x = at(scores, r, c);

@@ -34,13 +34,13 @@ struct TileMasks {
 };
 
 // The tile's masks (kind kSkip: nothing to compute).
-TileMasks tile_masks(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t);
+TileMasks tile_masks(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t);
 
 // Turns a tile of raw logits (log2 units) into final ones. Layout s[query][key] (ld in keys;
 // columns cols..ld are padding and set to -inf) or, if transposed, s[key][query] (ld in queries;
 // padding queries are left alone, their lse makes P zero). softcap_grad, when not null, is a tile
 // of the same layout that receives d(final)/d(raw) for visible elements (see score_mod.h).
-void prepare_scores(const CpuAttentionParams& p, const SequenceBounds& s, const TileCoords& t,
+void prepare_scores(const AttentionParams& p, const SequenceBounds& s, const TileCoords& t,
                     const TileMasks& masks, float* scores, int ld, bool transposed, float* softcap_grad);
 
 // P ← P · keep / (1 - rate) on a probability tile of either layout (see params.h, MaskParams).

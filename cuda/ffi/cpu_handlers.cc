@@ -26,14 +26,14 @@ ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
                       int32_t is_causal, int32_t bottom_right, int64_t window_left,
                       int64_t window_right, float softcap, float dropout_rate) {
-  cpu::CpuAttentionParams p;
+  AttentionParams p;
   if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
   const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
                            dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::check_positions_on_host(p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.packed_mask); e.failure()) return e;
+  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
   cpu::forward(p);
   return ffi::Error::Success();
 }
@@ -50,7 +50,7 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        float scale, int32_t is_causal,
                        int32_t bottom_right, int64_t window_left, int64_t window_right,
                        float softcap, float dropout_rate) {
-  cpu::CpuAttentionParams p;
+  AttentionParams p;
   if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
       e.failure())
     return e;
@@ -59,7 +59,7 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
   if (auto e = ffi_decode::check_positions_on_host(p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.packed_mask); e.failure()) return e;
+  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/false, &p); e.failure()) return e;
   // The CPU backward adds its partial sums up itself.
   if (auto e = ffi_decode::decode_dslopes(*dslopes, ffi_decode::kDslopesComplete, &p); e.failure()) return e;

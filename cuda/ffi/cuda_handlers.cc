@@ -3,9 +3,9 @@
 // tile counter) arrives as extra outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
 // capture in CUDA graphs.
 //
-// Beyond q, k, v the handlers take the same optional operands (rank 0 = absent) and attributes as
-// the CPU handlers, in the same order (decode_mask.h), so that jax_flashattn lowers both platforms
-// alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
+// Beyond q, k, v the handlers take the same optional operands (rank 0 = absent; the boolean mask
+// bit-packed, as jax_flashattn.PackedMask holds it) and attributes as the CPU handlers, in the same
+// order (decode_mask.h), so that jax_flashattn lowers both platforms alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
 // ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
 // accumulated by the kernels' atomics. On
 // sm90 the Hopper forward takes every mask feature and dropout (head dims 64, 128, 256), and the
@@ -21,6 +21,7 @@
 
 #include "ffi/decode.h"
 #include "ffi/decode_mask.h"
+#include "ffi/decode_packed_mask.h"
 #include "ffi/handlers.h"
 #include "sm80/api.h"
 #ifdef JFA_HAS_SM90
@@ -110,7 +111,7 @@ ffi::Error launched(cudaError_t err, const char* what) {
 }
 
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_tiles, ffi::AnyBuffer q_lengths,
                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
                        ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions, ffi::AnyBuffer q_segment_chunks,
@@ -125,7 +126,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                            dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
@@ -137,7 +138,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                        ffi::AnyBuffer dlse, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                        ffi::AnyBuffer dlse, ffi::AnyBuffer bias, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_tiles,
                         ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions,
@@ -156,7 +157,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            dropout_seeds, positions};
   const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
   if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_boolean_mask(mask, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
   if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
   if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/true, &p); e.failure()) return e;
   // One slot per 64 keys: a backward CTA owns a key tile of 64 or 128 keys (sm80/kernel_traits.h).
@@ -218,7 +219,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // k
                                   .Arg<xla::ffi::AnyBuffer>()  // v
                                   .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask bits, uint32 [B|1, N|1, T, ceil(S/128)*4]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask tile summaries, uint8 [B|1, N|1, ceil(T/64), ceil(S/128)]
                                   .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
                                   .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
                                   .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
@@ -251,7 +253,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // dout
                                   .Arg<xla::ffi::AnyBuffer>()  // dlse
                                   .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask, bool broadcastable to [B, N, T, S]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask bits, uint32 [B|1, N|1, T, ceil(S/128)*4]
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask tile summaries, uint8 [B|1, N|1, ceil(T/64), ceil(S/128)]
                                   .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
                                   .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
                                   .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]

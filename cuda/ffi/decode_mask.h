@@ -2,9 +2,8 @@
 //
 // Every optional operand is an FFI buffer; a rank-0 buffer means "absent" (the lowering passes a
 // scalar placeholder), so one handler signature serves every combination. Each present operand is
-// checked against the attention shapes and named in the error. The boolean mask comes one byte per
-// element to the CUDA handlers (decode_boolean_mask) and bit-packed to the CPU handlers
-// (decode_packed_mask.h).
+// checked against the attention shapes and named in the error. The boolean mask comes bit-packed
+// with its tile summaries to both platforms' handlers (decode_packed_mask.h).
 #pragma once
 
 #include <cmath>
@@ -117,17 +116,6 @@ inline ffi::Error check_positions_on_host(const AttentionParams& p) {
     if (x[2 * b] < 0 || x[2 * b + 1] < 0 || (p.mask.has_dropout() && x[2 * b + 1] % 4 != 0))
       return invalid("positions must be non-negative, the key position a multiple of 4 with dropout; batch " +
                      std::to_string(b) + " has (" + std::to_string(x[2 * b]) + ", " + std::to_string(x[2 * b + 1]) + ")");
-  return ffi::Error::Success();
-}
-
-// The boolean mask of the CUDA handlers (one byte per element, broadcast by strides), or a rank-0
-// placeholder without one.
-inline ffi::Error decode_boolean_mask(const ffi::AnyBuffer& mask, AttentionParams* p) {
-  if (!present(mask)) return ffi::Error::Success();
-  MaskParams& m = p->mask;
-  if (auto e = broadcast_bnts(mask, "mask", ffi::DataType::PRED, "bool", *p, &m.mask_strides); e.failure())
-    return e;
-  m.mask = static_cast<const uint8_t*>(mask.untyped_data());
   return ffi::Error::Success();
 }
 

@@ -129,8 +129,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
   auto m_blocks_of = [&](int nb) {
     const int j0 = nb * kBlockN;
     if constexpr (kGeneral) {
-      const KeyRange r =
-          segment_narrowed(query_range(p, bounds, j0, kBlockN), p.mask.kv_segment_chunks, batch, S, j0, kBlockN);
+      const KeyRange r = mask_narrowed_queries(
+          p, batch, int64_t(kv_head) * G, G, j0, kBlockN,
+          segment_narrowed(query_range(p, bounds, j0, kBlockN), p.mask.kv_segment_chunks, batch, S, j0, kBlockN));
       const int lo = int(r.begin / kBlockM);
       return make_int2(lo, r.end > r.begin ? int((r.end + kBlockM - 1) / kBlockM) : lo);
     } else {
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Attenti
         gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, smem_copy_a_sdp, smem_copy_b_sdp, smem_thr_a_sdp,
                 smem_thr_b_sdp);
         const bool partial =
-            general_tile_partial(p, bounds, cur.m0, kBlockM, n0, kBlockN) ||
+            general_tile_partial(p, bounds, batch, cur.head, cur.m0, kBlockM, n0, kBlockN) ||
             segments_split(p, segment_ids(p.mask.q_segment_chunks, batch, T, cur.m0, kBlockM), kv_seg);
         constexpr bool dropout = kDropout;
         const DropoutStream drop = dropout ? dropout_stream(p, batch) : DropoutStream{};

@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
     // The key tiles this query block may see (causal, window, lengths) and may share a segment
     // with: the loop's trip count.
     const SequenceBounds bounds = sequence_bounds(p, batch);
-    const KeyRange r = segment_narrowed(key_range(p, bounds, m0, kBlockM), p.mask.q_segment_chunks, batch, T, m0, kBlockM);
+    const KeyRange r = mask_narrowed_keys(
+        p, batch, head, m0, kBlockM,
+        segment_narrowed(key_range(p, bounds, m0, kBlockM), p.mask.q_segment_chunks, batch, T, m0, kBlockM));
     n_block_min = int(r.begin / kBlockN);
     n_block_max = r.end > r.begin ? int((r.end + kBlockN - 1) / kBlockN) : n_block_min;  // empty: O = 0, LSE = -inf
   }
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Attenti
       // Recomputed per tile (two cached loads) rather than kept live across the loop.
       const SequenceBounds bounds = sequence_bounds(p, batch);
       const bool partial =
-          general_tile_partial(p, bounds, m0, kBlockM, n0, kBlockN) ||
+          general_tile_partial(p, bounds, batch, head, m0, kBlockM, n0, kBlockN) ||
           segments_split(p, q_seg, segment_ids(p.mask.kv_segment_chunks, batch, S, n0, kBlockN));
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(scores); ++mi) {

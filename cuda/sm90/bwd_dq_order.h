@@ -31,7 +31,7 @@ __forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, i
 // later and ends at the last block), else those whose walk (bwd_general_m_blocks) holds m_block,
 // counted by the 32 lanes of the calling warp together.
 template <int kBlockM, int kBlockN, int kPolicies>
-__forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, int n_block, int m_block) {
+__forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, int kv_head, int n_block, int m_block) {
   if constexpr (kPolicies == 0) {
     return n_block;
   } else {
@@ -40,7 +40,7 @@ __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, 
     for (int base = 0; base < n_block; base += 32) {
       bool adds = false;
       if (base + lane < n_block) {
-        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, base + lane);
+        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, kv_head, base + lane);
         adds = m_block >= r.x && m_block < r.y;
       }
       turn += __popc(__ballot_sync(0xffffffffu, adds));

@@ -34,14 +34,19 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
-// Query blocks [begin, end) that may see key block n_block: by position (jfa::query_range), then
-// narrowed to the queries that may share a segment id with its keys. Empty: (0, 0).
+// Query blocks [begin, end) that may see key block n_block of K/V head kv_head: by position
+// (jfa::query_range), then narrowed to the queries that may share a segment id with its keys and
+// to those that the boolean mask lets some query head of the group see them. Empty: (0, 0).
 template <int kBlockM, int kBlockN, int kPolicies>
-__forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, int batch, int n_block) {
+__forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, int batch, int kv_head, int n_block) {
   const int key0 = n_block * kBlockN;
   KeyRange r = query_range(p, sequence_bounds(p, batch), key0, kBlockN);
   if constexpr ((kPolicies & kPolicySegments) != 0)
     r = segment_narrowed(r, p.mask.kv_segment_chunks, batch, int(p.S), key0, kBlockN);
+  if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
+    const int group = int(p.N / p.K);
+    r = mask_narrowed_queries(p, batch, int64_t(kv_head) * group, group, key0, kBlockN, r);
+  }
   if (r.end <= r.begin) return make_int2(0, 0);
   return make_int2(int(r.begin / kBlockM), int((r.end + kBlockM - 1) / kBlockM));
 }
@@ -91,9 +96,10 @@ __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, i
 // Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
 // mask, or segment ids that may differ inside it).
 template <int kBlockM, int kBlockN, int kPolicies>
-__forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int m_block) {
+__forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int head,
+                                                    int m_block) {
   const int query0 = m_block * kBlockM;
-  if (general_tile_partial(p, b.bounds, query0, kBlockM, b.key0, kBlockN)) return true;
+  if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) return true;
   if constexpr ((kPolicies & kPolicySegments) != 0)
     return segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
   return false;
@@ -197,9 +203,18 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   const float slope_log2 =
       kAlibi && kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
   const int pos0 = query0 + int(b.bounds.offset) - b.key0;
-  // This (batch, head)'s planes of the boolean mask, the bias and d(bias) (null: none).
-  const uint8_t* mask = kBoolMask && kGeneral && m.mask != nullptr
-                            ? m.mask + b.batch * m.mask_strides.batch + head * m.mask_strides.head : nullptr;
+  // This (batch, head)'s planes of the bit-packed mask, the bias and d(bias) (null: none).
+  const uint32_t* mask =
+      kBoolMask && kGeneral && partial && m.packed_mask.present() ? m.packed_mask.row(b.batch, head, 0) : nullptr;
+  // Queries in columns: a thread's two keys (rows r, r + 8 of a 64-key slice of one chunk) are bits
+  // bit0 and bit0 + 2 of one word of each query's row, the word mask_col[i · words].
+  const uint32_t* mask_col = mask;
+  int bit0 = 0;
+  if (kQueriesInColumns && mask != nullptr) {
+    const int j = b.key0 + get<0>(coords(0, 0));
+    mask_col = mask + (((j >> 7) << 2) | ((j >> 1) & 3));
+    bit0 = ((j >> 2) & 30) | (j & 1);
+  }
   const float* bias = kBias && kGeneral && m.bias != nullptr
                           ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
   float* dbias = kBias && kGeneral && m.dbias != nullptr
@@ -225,9 +240,13 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   for (int c = 0; c < kCols; c += 2) {
     const float2 lse = stats_of(lse_log2, c), dsum = stats_of(d, c);
     BwdQuery col_queries[2];
+    uint32_t col_words[2] = {~0u, ~0u};  // the two queries' mask words (queries in columns)
     if (kGeneral && kQueriesInColumns && partial) {
       col_queries[0] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)));
       col_queries[1] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)) + 1);
+      if (mask != nullptr)  // rows past T read the last row's word: position hides them anyway
+        for (int at = 0; at < 2; ++at)
+          col_words[at] = mask_col[int64_t(min(col_queries[at].i, int(p.T) - 1)) * m.packed_mask.words];
     }
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) {
@@ -252,8 +271,11 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
           const BwdQuery& q = kQueriesInColumns ? col_queries[at] : row_queries[at];
           visible_here = j >= q.lo && j < q.hi;
           if (kv_seg != nullptr) visible_here = visible_here && kv_seg[j] == q.seg;
-          if (mask != nullptr)
-            visible_here = visible_here && mask[int64_t(i) * m.mask_strides.row + int64_t(j) * m.mask_strides.col] != 0;
+          if constexpr (kQueriesInColumns) {
+            if (mask != nullptr) visible_here = visible_here && ((col_words[at] >> (bit0 + 2 * r)) & 1u);
+          } else if (mask != nullptr && visible_here) {  // (never past T or S: hidden by position)
+            visible_here = mask_row_has_key(mask + int64_t(i) * m.packed_mask.words, j);
+          }
         }
         float x = s(r, cc) * p.scale_log2;
         if (softcap) {
@@ -333,7 +355,7 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
         },
         [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
   } else {
-    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, m_block);
+    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, head, m_block);
     const MaskParams& m = p.mask;
     constexpr bool kSoftcap = (kPolicies & kPolicySoftcap) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
     constexpr bool kBias = (kPolicies & kPolicyBias) != 0;

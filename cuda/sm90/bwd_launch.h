@@ -84,6 +84,7 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
     const int set = bwd_policy_set(p.mask);
     switch (set) {
       case kBwdPositionsSet: return run_bwd_policies<Element, kHeadDim, kBwdPositionsSet>(p, stream);
+      case kBwdMaskSet: return run_bwd_policies<Element, kHeadDim, kBwdMaskSet>(p, stream);
       case kBwdAlibiSet: return run_bwd_policies<Element, kHeadDim, kBwdAlibiSet>(p, stream);
       case kBwdSoftcapSet: return run_bwd_policies<Element, kHeadDim, kBwdSoftcapSet>(p, stream);
       case kPolicyAll: return run_bwd_policies<Element, kHeadDim, kPolicyAll>(p, stream);

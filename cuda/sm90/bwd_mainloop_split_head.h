@@ -115,7 +115,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     if (p.attn.deterministic) {
       semaphore = bwd_dq_semaphore<kBlockM>(p.attn, walk.batch, st.head, st.m_block);
       if (tid < 32) {
-        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.n_block, st.m_block);
+        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head, walk.n_block, st.m_block);
         if (tid == 0) bwd_dq_wait_turn(semaphore, turn);
       }
       bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);

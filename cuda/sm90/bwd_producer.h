@@ -87,7 +87,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
     int32_t* semaphore = nullptr;
     if (p.attn.deterministic) {
       const int turn =
-          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.n_block, st.m_block);
+          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head, walk.n_block, st.m_block);
       semaphore = bwd_dq_semaphore<Traits::kBlockM>(p.attn, walk.batch, st.head, st.m_block);
       if (leader) bwd_dq_wait_turn(semaphore, turn);
       __syncwarp();

@@ -59,8 +59,16 @@ struct FwdGeneralTile {
     rows = tile_rows<kPolicies, kRows, Traits::kBlockM, kBlockN>(p, batch, head, m0, coords);
   }
 
+  // The boolean mask's test wherever the tile's summaries do not prove the block full.
   __forceinline__ __device__ int needs(const AttentionParams& p, int n_block) const {
-    return block_needs<kPolicies>(p, rows, n_block);
+    int needs = block_needs<kPolicies>(p, rows, n_block);
+    if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
+      const PackedMaskView& mask = p.mask.packed_mask;
+      if (mask.present() &&
+          mask.block_kind(batch, head, m0, Traits::kBlockM, n_block * kBlockN, kBlockN) != MaskTileKind::kFull)
+        needs |= kNeedsMask;
+    }
+    return needs;
   }
 
   // Block n_block's scores with its masks and modifiers applied, in the units the softmax multiplies

@@ -55,8 +55,9 @@ FwdParams<Traits> make_fwd_params(const AttentionParams& p) {
 }
 
 // Tile `tile` with its coordinates and the key blocks [n_begin, n_end) it visits (walked from
-// n_end - 1 down to n_begin): every block of S (causal: up to the diagonal), or on the general path
-// those of its position range that may share a segment with it (mask.h, general_block_range).
+// n_end - 1 down to n_begin, fwd_prev_block): every block of S (causal: up to the diagonal), or on
+// the general path those of its position range that may share a segment with it and that the
+// boolean mask leaves a visible key in (mask.h, general_block_range).
 template <typename Traits, bool kCausal, int kPolicies, typename Scheduler>
 __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, const Scheduler& sched, int tile) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -64,7 +65,7 @@ __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, co
   if (tile >= p.num_tiles) return w;
   w.coord = sched.get(tile);
   if constexpr (kPolicies != 0) {
-    const int2 r = general_block_range<kBlockM, kBlockN>(p.attn, w.coord.batch, w.coord.m_block);
+    const int2 r = general_block_range<kBlockM, kBlockN>(p.attn, w.coord.batch, w.coord.head, w.coord.m_block);
     w.n_begin = r.x;
     w.n_end = r.y;
   } else {
@@ -72,6 +73,25 @@ __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, co
     if constexpr (kCausal) w.n_end = min(w.n_end, (w.coord.m_block * kBlockM + kBlockM + kBlockN - 1) / kBlockN);
   }
   return w;
+}
+
+// The key block the tile visits after n_block (walking down): n_block - 1, or on the kernels of the
+// boolean mask the next lower one whose tile summaries are not all empty (n_begin at the latest:
+// it holds a visible key). The producer and the consumers walk the same blocks with it, so a block
+// that no row of the tile sees is neither loaded nor computed.
+template <typename Traits, int kPolicies>
+__forceinline__ __device__ int fwd_prev_block(const AttentionParams& p, const TileWork& w, int n_block) {
+  int n = n_block - 1;
+  if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
+    const PackedMaskView& mask = p.mask.packed_mask;
+    if (mask.present()) {
+      const int m0 = w.coord.m_block * Traits::kBlockM;
+      while (n > w.n_begin && mask.block_kind(w.coord.batch, w.coord.head, m0, Traits::kBlockM, n * Traits::kBlockN,
+                                              Traits::kBlockN) == MaskTileKind::kEmpty)
+        --n;
+    }
+  }
+  return n;
 }
 
 }  // namespace jfa::sm90

@@ -62,11 +62,12 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
     // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
     auto load_step = [&] {
+      const int prev = fwd_prev_block<Traits, kPolicies>(p.attn, work, n);
       PipelineState write_v = write;
       ++write;
-      load_k(n - 1, write);
+      load_k(prev, write);
       load_v(n, write_v);
-      --n;
+      n = prev;
     };
     // The first step's slots free during the previous tile: its loads go out before the meetings
     // below, which last until the consumers start this tile (a tile of one block: its V).

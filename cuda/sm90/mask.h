@@ -49,19 +49,22 @@ inline int policies_needed(const MaskParams& m) {
   if (m.softcap > 0.f) set |= kPolicySoftcap;
   if (m.bias != nullptr) set |= kPolicyBias;
   if (m.q_segment_ids != nullptr) set |= kPolicySegments;
-  if (m.mask != nullptr) set |= kPolicyBoolMask;
+  if (m.packed_mask.present()) set |= kPolicyBoolMask;
   return set;
 }
 
 // The Hopper backward's general-path kernels, besides kPolicyAll and kPolicyAll | kPolicyDropout:
 // positions and segment ids (windows, lengths, causal with either alignment, packed sequences);
-// positions and ALiBi; positions and soft-capping; positions with dropout. The backward holds dK
-// and dV in registers beside the step's scores, so the code of each feature a kernel leaves out is
-// registers the others keep (ptxas spills: docs/performance.md); ALiBi and soft-capping are sets
-// apart because one kernel for both runs either at the speed of both. The bias (with d(bias):
-// per-element loads and atomics) and the boolean mask stay with the kernel of every feature.
+// positions and the boolean mask; positions and ALiBi; positions and soft-capping; positions with
+// dropout. The backward holds dK and dV in registers beside the step's scores, so the code of each
+// feature a kernel leaves out is registers the others keep (ptxas spills: docs/performance.md);
+// ALiBi and soft-capping are sets apart because one kernel for both runs either at the speed of
+// both, and so is the boolean mask (with segment ids, that kernel spilled 120 bytes at H 128
+// where the positions set spills 16). The bias (with d(bias): per-element loads and atomics)
+// stays with the kernel of every feature.
 enum : int {
   kBwdPositionsSet = kPolicyPositions | kPolicySegments,
+  kBwdMaskSet = kPolicyPositions | kPolicyBoolMask,
   kBwdAlibiSet = kPolicyPositions | kPolicyAlibi,
   kBwdSoftcapSet = kPolicyPositions | kPolicySoftcap,
   kBwdDropoutPositionsSet = kPolicyPositions | kPolicyDropout,
@@ -72,6 +75,7 @@ inline int bwd_policy_set(const MaskParams& m) {
   const int needed = policies_needed(m);
   if (m.has_dropout()) return needed == kPolicyPositions ? kBwdDropoutPositionsSet : (kPolicyAll | kPolicyDropout);
   if ((needed & ~kBwdPositionsSet) == 0) return kBwdPositionsSet;
+  if ((needed & ~kBwdMaskSet) == 0) return kBwdMaskSet;
   if ((needed & ~kBwdAlibiSet) == 0) return kBwdAlibiSet;
   if ((needed & ~kBwdSoftcapSet) == 0) return kBwdSoftcapSet;
   return kPolicyAll;
@@ -196,15 +200,15 @@ __forceinline__ __device__ TileRows<kRows> tile_rows(const AttentionParams& p, i
 // need, as a set of kNeeds* bits: positions, when a row does not see the whole block by position;
 // segments, when the block is not inside the tile's one-segment key run; with ALiBi on the tensor
 // cores (alibi_on_tensor_cores), its |·| where a row sees keys right of it in the block
-// (apply_policy) (all three from tile_rows' block ranges); the boolean mask, always when given.
-// Per thread: each thread masks only its own elements. No loads: it runs between
-// a block's GEMMs and the wait for its scores.
+// (apply_policy) (all three from tile_rows' block ranges). Per thread: each thread masks only its
+// own elements. No loads: it runs between a block's GEMMs and the wait for its scores. The boolean
+// mask's test is the tile's (FwdGeneralTile::needs: its summaries, the same for every thread).
 enum : int { kNeedsPositions = 1, kNeedsSegments = 2, kNeedsMask = 4, kNeedsAlibiAbs = 8 };
 
 template <int kPolicies, int kRows>
 __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileRows<kRows>& rows, int n_block) {
-  constexpr bool kSegments = kPolicies & kPolicySegments, kBoolMask = kPolicies & kPolicyBoolMask;
-  int needs = kBoolMask && p.mask.mask != nullptr ? kNeedsMask : 0;
+  constexpr bool kSegments = kPolicies & kPolicySegments;
+  int needs = 0;
   if (n_block < rows.pos_free_lo || n_block > rows.pos_free_hi) needs |= kNeedsPositions;
   // (Without slopes, which the prefix kernel never runs, the flag would only cost time: apply_policy
   // adds no ALiBi term then.)
@@ -212,6 +216,31 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
   if (kSegments && p.mask.q_segment_ids != nullptr && (n_block < rows.seg_free_lo || n_block > rows.seg_free_hi))
     needs |= kNeedsSegments;
   return needs;
+}
+
+// Hides the elements of row r of a thread's scores of the key block at n0 whose bit in `bits` (the
+// row of the packed mask, jfa/packed_mask.h) is clear. A thread of a wgmma accumulator holds in
+// each run of 8 keys the pair 2w, 2w + 1 of its quad lane w, and thread 0 the columns c0 = 8a + e:
+// in a block inside one chunk of 128 keys (64 or 128 keys) the thread's columns are then bits
+// shift + 2a + e of its word w, one load per row; blocks that straddle chunks (112 or 176 keys)
+// test each element through mask_row_has_key.
+template <typename Scores, typename Coords0>
+__forceinline__ __device__ void hide_masked(Scores& scores, Coords0 const& coords0, const uint32_t* bits, int r, int n0,
+                                            int col_shift, int last_key) {
+  constexpr int kBlockKeys = 4 * decltype(size<1>(scores))::value;  // two columns per 8 keys
+  if constexpr (kMaskChunkKeys % kBlockKeys == 0) {
+    const uint32_t word = bits[((n0 >> 7) << 2) | ((col_shift >> 1) & 3)];
+    const int shift = (n0 & 127) >> 2;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(scores); ++c) {
+      const int c0 = get<1>(coords0(r, c));
+      if (((word >> (shift + ((c0 >> 2) & 30) + (c0 & 1))) & 1u) == 0) scores(r, c) = -INFINITY;
+    }
+  } else {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(scores); ++c)
+      if (!mask_row_has_key(bits, min(col_shift + get<1>(coords0(r, c)), last_key))) scores(r, c) = -INFINITY;
+  }
 }
 
 // ALiBi's shift of block n0 for scores that hold slope·(j − n0) (the tensor cores' k prefix) and
@@ -362,25 +391,20 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
       for (int c = 0; c < size<1>(scores); ++c)
         if (((same_segment[r] >> c) & 1u) == 0) scores(r, c) = -INFINITY;
     }
-    if (kBoolMask && (needs & kNeedsMask)) {
-      const Strides4& st = m.mask_strides;
-      const uint8_t* mask = m.mask + batch * st.batch + head * st.head + i * st.row;
-      const int col = int(st.col);
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c)
-        if (mask[min(col_shift + get<1>(coords0(r, c)), last_key) * col] == 0) scores(r, c) = -INFINITY;
-    }
+    if (kBoolMask && (needs & kNeedsMask)) hide_masked(scores, coords0, m.packed_mask.row(batch, head, i), r, n0, col_shift, last_key);
   }
 }
 
-// The general path's key blocks [x, y) of query tile m_block: those of its position range that
-// may share a segment with it; no key at all gives block 0, fully masked.
+// The general path's key blocks [x, y) of query tile m_block of head `head`: those of its position
+// range that may share a segment with it, from the first to the last that the boolean mask's
+// summaries leave a visible key in; no key at all gives block 0, fully masked.
 template <int kBlockM, int kBlockN>
-__forceinline__ __device__ int2 general_block_range(const AttentionParams& p, int batch, int m_block) {
+__forceinline__ __device__ int2 general_block_range(const AttentionParams& p, int batch, int head, int m_block) {
   const int m0 = m_block * kBlockM;
-  const KeyRange r =
+  const KeyRange r = mask_narrowed_keys(
+      p, batch, head, m0, kBlockM,
       segment_narrowed(key_range(p, sequence_bounds(p, batch), m0, kBlockM), p.mask.q_segment_chunks, batch,
-                       int(p.T), m0, kBlockM);
+                       int(p.T), m0, kBlockM));
   if (r.end <= r.begin) return make_int2(0, 1);
   return make_int2(int(r.begin / kBlockN), int((r.end + kBlockN - 1) / kBlockN));
 }

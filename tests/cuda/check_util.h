@@ -1,5 +1,6 @@
 // Helpers shared by the C++ kernel checks (sm80_check.cu, sm90_check.cu): CUDA error checking and
-// fp16/bf16 <-> float conversion of host buffers; the segment-id summaries.
+// fp16/bf16 <-> float conversion of host buffers; the segment-id summaries; boolean masks with
+// empty, full and mixed tiles, bit-packed.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "jfa/mask_packing.h"
+#include "jfa/packed_mask.h"
 #include "jfa/params.h"
 
 #define CK(x)                                                                                   \
@@ -114,4 +117,60 @@ inline std::vector<int32_t> segment_chunks(const std::vector<int32_t>& ids, int 
     }
   }
   return out;
+}
+
+// A boolean mask [B, 1, T, S] (one byte per element, nonzero = visible) whose 64 x 128 tiles are
+// each empty, full or mixed (`visible` of 1000 kept) in turn with the dice, so that the kernels'
+// skipping of empty tiles and their untested full tiles are checked as well as the bits.
+template <typename Rng>
+inline std::vector<uint8_t> tiled_random_mask(int B, int T, int S, int visible, Rng& rng) {
+  std::vector<uint8_t> mask(size_t(B) * T * S);
+  const int row_blocks = int(jfa::mask_row_blocks(T)), chunks = int(jfa::mask_chunks(S));
+  for (int b = 0; b < B; ++b)
+    for (int rb = 0; rb < row_blocks; ++rb)
+      for (int c = 0; c < chunks; ++c) {
+        const int kind = int(rng() % 3);  // 0 empty, 1 full, 2 mixed
+        for (int i = rb * jfa::kMaskTileRows; i < std::min(T, (rb + 1) * jfa::kMaskTileRows); ++i)
+          for (int j = c * jfa::kMaskChunkKeys; j < std::min(S, (c + 1) * jfa::kMaskChunkKeys); ++j)
+            mask[(size_t(b) * T + i) * S + j] = kind == 1 || (kind == 2 && int(rng() % 1000) < visible);
+      }
+  return mask;
+}
+
+// That mask bit-packed with its tile summaries, as jax_flashattn's pack kernel writes them
+// (jfa/mask_packing.h), and a view of a copy of the two arrays (broadcast over heads).
+struct PackedMaskHost {
+  std::vector<uint32_t> bits;
+  std::vector<uint8_t> tiles;
+};
+
+inline PackedMaskHost pack_mask_host(const std::vector<uint8_t>& mask, int B, int T, int S) {
+  const jfa::BooleanMask m{mask.data(), B, T, S, int64_t(T) * S, S, 1};
+  const int64_t words = jfa::mask_words(S), chunks = jfa::mask_chunks(S), row_blocks = jfa::mask_row_blocks(T);
+  PackedMaskHost h;
+  h.bits.resize(size_t(B * T * words));
+  h.tiles.resize(size_t(B * row_blocks * chunks));
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < T; ++i)
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int w = 0; w < jfa::kMaskChunkWords; ++w)
+          h.bits[size_t((int64_t(b) * T + i) * words + c * jfa::kMaskChunkWords + w)] = jfa::pack_mask_word(m, b, i, c, w);
+    for (int64_t rb = 0; rb < row_blocks; ++rb)
+      for (int64_t c = 0; c < chunks; ++c)
+        h.tiles[size_t((b * row_blocks + rb) * chunks + c)] =
+            uint8_t(jfa::summarize_mask_tile(h.bits.data() + size_t(b) * T * words, T, S, rb, c));
+  }
+  return h;
+}
+
+inline jfa::PackedMaskView packed_mask_view(const uint32_t* bits, const uint8_t* tiles, int T, int S) {
+  jfa::PackedMaskView v;
+  v.bits = bits;
+  v.tiles = tiles;
+  v.words = jfa::mask_words(S);
+  v.chunks = jfa::mask_chunks(S);
+  v.row_blocks = jfa::mask_row_blocks(T);
+  v.bits_batch_stride = T * v.words;
+  v.tiles_batch_stride = v.row_blocks * v.chunks;
+  return v;
 }

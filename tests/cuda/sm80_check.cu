@@ -53,7 +53,7 @@ struct Features {
   float softcap = 0.f;
   bool alibi = false;
   int bias = 0;  // 0: none; 1: [B, N, T, S]; 2: [1, N, 1, S]; 3: [B, 1, T, 1]
-  bool mask = false;  // [B, 1, T, S], ~20% hidden, one fully hidden row
+  bool mask = false;  // [B, 1, T, S]: tiles empty, full or ~20% hidden; one fully hidden row
   float dropout = 0.f;
   bool deterministic = false;  // ordered dQ adds; the backward runs twice and dq must match bitwise
 };
@@ -71,10 +71,10 @@ struct Config {
 struct FeatureData {
   std::vector<int32_t> q_len, kv_len, q_seg, kv_seg, q_chunks, kv_chunks;  // chunks: segment summaries
   std::vector<float> bias, slopes;
-  std::vector<uint8_t> mask;
+  PackedMaskHost mask;
   std::vector<uint32_t> seeds;
   int64_t bias_dims[4] = {0, 0, 0, 0};
-  jfa::Strides4 bias_strides, mask_strides;
+  jfa::Strides4 bias_strides;
 };
 
 static FeatureData make_features(const Config& c, std::mt19937& rng) {
@@ -110,11 +110,10 @@ static FeatureData make_features(const Config& c, std::mt19937& rng) {
   if (f.alibi)  // [B, N]: a per-batch slope exercises the batch stride
     for (int i = 0; i < c.B * c.N; ++i) d.slopes.push_back(0.02f + 0.3f * float(coin(rng)) / 1000.f);
   if (f.mask) {
-    d.mask.resize(size_t(c.B) * c.T * c.S);
-    for (auto& x : d.mask) x = coin(rng) < 800;
+    std::vector<uint8_t> mask = tiled_random_mask(c.B, c.T, c.S, 800, rng);
     if (c.T > 3)
-      for (int j = 0; j < c.S; ++j) d.mask[size_t(3) * c.S + j] = 0;  // batch 0, row 3: nothing visible
-    d.mask_strides = jfa::Strides4{int64_t(c.T) * c.S, 0, c.S, 1};
+      for (int j = 0; j < c.S; ++j) mask[size_t(3) * c.S + j] = 0;  // batch 0, row 3: nothing visible
+    d.mask = pack_mask_host(mask, c.B, c.T, c.S);
   }
   if (f.dropout > 0.f)
     for (int i = 0; i < 3 * c.B; ++i) d.seeds.push_back(uint32_t(rng()));
@@ -148,10 +147,9 @@ static void set_features(const Config& c, const FeatureData& d, AttentionParams*
     m.alibi_slopes = static_cast<const float*>(ptr(d.slopes));
     m.alibi_batch_stride = c.N;
   }
-  if (!d.mask.empty()) {
-    m.mask = static_cast<const uint8_t*>(ptr(d.mask));
-    m.mask_strides = d.mask_strides;
-  }
+  if (!d.mask.bits.empty())
+    m.packed_mask = packed_mask_view(static_cast<const uint32_t*>(ptr(d.mask.bits)),
+                                     static_cast<const uint8_t*>(ptr(d.mask.tiles)), c.T, c.S);
   if (!d.seeds.empty()) m.dropout_seeds = static_cast<const uint32_t*>(ptr(d.seeds));
 }
 

@@ -77,7 +77,7 @@ struct Config {
 struct MaskOperands {
   std::vector<int32_t> q_len, kv_len, q_seg, kv_seg, q_chunks, kv_chunks;  // chunks: segment summaries
   std::vector<float> slopes, bias;
-  std::vector<uint8_t> mask;
+  PackedMaskHost mask;
   std::vector<uint32_t> seeds;  // dropout: (k0, k1, batch) per batch element
   jfa::MaskParams host, device;
   std::vector<void*> buffers;
@@ -159,10 +159,8 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
     for (int i = 0; i < c.N * c.S; ++i) m.bias.push_back(nd(rng));
     h.bias_strides = jfa::Strides4{0, c.S, 0, 1};
   }
-  if (c.features & kMask) {  // [B, 1, T, S]
-    for (int64_t i = 0; i < int64_t(c.B) * c.T * c.S; ++i) m.mask.push_back(rng() % 5 != 0);
-    h.mask_strides = jfa::Strides4{int64_t(c.T) * c.S, 0, c.S, 1};
-  }
+  if (c.features & kMask)  // [B, 1, T, S]: tiles empty, full or 80 % visible
+    m.mask = pack_mask_host(tiled_random_mask(c.B, c.T, c.S, 800, rng), c.B, c.T, c.S);
   if (c.features & kDropout) {
     h.dropout_rate = 0.3f;
     for (int b = 0; b < c.B; ++b) m.seeds.insert(m.seeds.end(), {uint32_t(rng()), uint32_t(rng()), uint32_t(b + 5)});
@@ -170,14 +168,16 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
   auto ptr = [](auto& v) { return v.empty() ? nullptr : v.data(); };
   h.q_lengths = ptr(m.q_len); h.kv_lengths = ptr(m.kv_len);
   h.q_segment_ids = ptr(m.q_seg); h.kv_segment_ids = ptr(m.kv_seg);
-  h.alibi_slopes = ptr(m.slopes); h.bias = ptr(m.bias); h.mask = ptr(m.mask);
+  h.alibi_slopes = ptr(m.slopes); h.bias = ptr(m.bias);
+  if (!m.mask.bits.empty()) h.packed_mask = packed_mask_view(m.mask.bits.data(), m.mask.tiles.data(), c.T, c.S);
   h.dropout_seeds = ptr(m.seeds);
   m.device = h;
   m.device.q_lengths = m.upload(m.q_len); m.device.kv_lengths = m.upload(m.kv_len);
   m.device.q_segment_ids = m.upload(m.q_seg); m.device.kv_segment_ids = m.upload(m.kv_seg);
   m.device.q_segment_chunks = m.upload(m.q_chunks); m.device.kv_segment_chunks = m.upload(m.kv_chunks);
   m.device.alibi_slopes = m.upload(m.slopes); m.device.bias = m.upload(m.bias);
-  m.device.mask = m.upload(m.mask);
+  if (!m.mask.bits.empty())
+    m.device.packed_mask = packed_mask_view(m.upload(m.mask.bits), m.upload(m.mask.tiles), c.T, c.S);
   m.device.dropout_seeds = m.upload(m.seeds);
 }
 

@@ -7,3 +7,4 @@
 #else
 #define JFA_HOST_DEVICE inline
 #endif
+

@@ -23,6 +23,9 @@ struct SequenceBounds {
   int64_t offset;  // query i sits at key position i + offset
 };
 
+JFA_HOST_DEVICE int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+JFA_HOST_DEVICE int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 JFA_HOST_DEVICE int64_t clamp_length(const int32_t* lengths, int64_t b, int64_t full) {
   if (lengths == nullptr) return full;
   const int64_t n = lengths[b];
@@ -97,6 +100,55 @@ JFA_HOST_DEVICE KeyRange query_range(const AttentionParams& p, const SequenceBou
   return KeyRange{lo, hi > lo ? hi : lo};
 }
 
+// Keys r of rows [i0, i0 + rows) of head n narrowed by the bit-packed mask's tile summaries: from
+// the first to the last chunk of 128 keys in which some of those rows see a key (empty if none).
+// Both ends are found by scans that stop at the first such chunk: a causal mask's cost one load.
+JFA_HOST_DEVICE KeyRange mask_narrowed_keys(const AttentionParams& p, int64_t b, int64_t n, int64_t i0,
+                                            int64_t rows, KeyRange r) {
+  const PackedMaskView& m = p.mask.packed_mask;
+  if (!m.present() || r.end <= r.begin) return r;
+  const int rb0 = int(i0 / kMaskTileRows), rb1 = int(min_i64((i0 + rows - 1) / kMaskTileRows, m.row_blocks - 1));
+  const int chunks = int(m.chunks);
+  const uint8_t* tiles = m.tiles + b * m.tiles_batch_stride + n * m.tiles_head_stride;
+  auto seen = [&](int c) {
+    for (int rb = rb0; rb <= rb1; ++rb)
+      if (tiles[rb * chunks + c] != uint8_t(MaskTileKind::kEmpty)) return true;
+    return false;
+  };
+  int first = int(r.begin / kMaskChunkKeys), last = int((r.end - 1) / kMaskChunkKeys);
+  while (first <= last && !seen(first)) ++first;
+  while (last > first && !seen(last)) --last;
+  if (first > last) return KeyRange{r.begin, r.begin};
+  const int64_t begin = max_i64(r.begin, int64_t(first) * kMaskChunkKeys);
+  return KeyRange{begin, max_i64(min_i64(r.end, int64_t(last + 1) * kMaskChunkKeys), begin)};
+}
+
+// Queries r that see keys [j0, j0 + cols) narrowed likewise, over heads [n0, n0 + heads) (a GQA
+// group that one key block's walk serves): from the first to the last row block of 64 queries
+// in which some head's rows see a key of those chunks.
+JFA_HOST_DEVICE KeyRange mask_narrowed_queries(const AttentionParams& p, int64_t b, int64_t n0, int64_t heads,
+                                               int64_t j0, int64_t cols, KeyRange r) {
+  const PackedMaskView& m = p.mask.packed_mask;
+  if (!m.present() || r.end <= r.begin) return r;
+  const int c0 = int(j0 / kMaskChunkKeys), c1 = int(min_i64((j0 + cols - 1) / kMaskChunkKeys, m.chunks - 1));
+  const int chunks = int(m.chunks);
+  // A mask shared by the heads (stride 0) is scanned once.
+  const int distinct = m.tiles_head_stride == 0 ? 1 : int(heads);
+  const uint8_t* tiles = m.tiles + b * m.tiles_batch_stride + n0 * m.tiles_head_stride;
+  auto seen = [&](int rb) {
+    for (int h = 0; h < distinct; ++h)
+      for (int c = c0; c <= c1; ++c)
+        if (tiles[h * m.tiles_head_stride + rb * chunks + c] != uint8_t(MaskTileKind::kEmpty)) return true;
+    return false;
+  };
+  int first = int(r.begin / kMaskTileRows), last = int((r.end - 1) / kMaskTileRows);
+  while (first <= last && !seen(first)) ++first;
+  while (last > first && !seen(last)) --last;
+  if (first > last) return KeyRange{r.begin, r.begin};
+  const int64_t begin = max_i64(r.begin, int64_t(first) * kMaskTileRows);
+  return KeyRange{begin, max_i64(min_i64(r.end, int64_t(last + 1) * kMaskTileRows), begin)};
+}
+
 enum class TileKind { kSkip, kFull, kPartial };
 
 // Classifies tile rows [i0, i0 + rows) x keys [j0, j0 + cols) by position. Segment ids and the
@@ -129,10 +181,7 @@ JFA_HOST_DEVICE bool visible(const AttentionParams& p, const SequenceBounds& s, 
   if (m.q_segment_ids != nullptr &&
       m.q_segment_ids[b * p.T + i] != m.kv_segment_ids[b * p.S + j])
     return false;
-  if (m.mask != nullptr) {
-    const Strides4& st = m.mask_strides;
-    if (m.mask[b * st.batch + n * st.head + i * st.row + j * st.col] == 0) return false;
-  }
+  if (m.packed_mask.present() && !mask_row_has_key(m.packed_mask.row(b, n, i), j)) return false;
   return true;
 }
 

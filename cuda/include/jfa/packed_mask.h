@@ -50,9 +50,10 @@ JFA_HOST_DEVICE uint32_t mask_bits_between(int word, int64_t lo, int64_t hi) {
 }
 
 // Whether key j (any key of the row, not only of one chunk) is set in a row's words.
+// Shifts and masks only (j >= 0): the GPU kernels' per-element test.
 JFA_HOST_DEVICE bool mask_row_has_key(const uint32_t* row, int64_t j) {
-  const int x = static_cast<int>(j % kMaskChunkKeys);
-  return (row[(j / kMaskChunkKeys) * kMaskChunkWords + mask_word_of_key(x)] >> mask_bit_of_key(x)) & 1u;
+  static_assert(kMaskChunkKeys == 128 && kMaskChunkWords == 4, "the shifts below spell out this layout");
+  return (row[((j >> 7) << 2) | ((j >> 1) & 3)] >> (((j >> 2) & 30) | (j & 1))) & 1u;
 }
 
 // The two arrays of a PackedMask, broadcast to [B, N, ...] by strides (0 on a size-1 axis).
@@ -73,6 +74,40 @@ struct PackedMaskView {
   JFA_HOST_DEVICE MaskTileKind tile(int64_t b, int64_t n, int64_t row_block, int64_t chunk) const {
     return static_cast<MaskTileKind>(tiles[b * tiles_batch_stride + n * tiles_head_stride +
                                            row_block * chunks + chunk]);
+  }
+
+  // The summaries of the tiles that rows [i0, i0 + rows) x keys [j0, j0 + cols) touch, combined:
+  // kEmpty or kFull where every one is, else kPartial. Rows and keys past T and S do not count
+  // (the kernels' position bounds hide them); with none left, kFull: the mask hides nothing there.
+  JFA_HOST_DEVICE MaskTileKind block_kind(int64_t b, int64_t n, int64_t i0, int64_t rows, int64_t j0,
+                                          int64_t cols) const {
+    const int64_t rb0 = i0 / kMaskTileRows, c0 = j0 / kMaskChunkKeys;
+    const int64_t rb_last = (i0 + rows - 1) / kMaskTileRows, c_last = (j0 + cols - 1) / kMaskChunkKeys;
+    const int64_t rb1 = rb_last < row_blocks - 1 ? rb_last : row_blocks - 1;
+    const int64_t c1 = c_last < chunks - 1 ? c_last : chunks - 1;
+    bool any = false, all = true;
+    for (int64_t rb = rb0; rb <= rb1; ++rb)
+      for (int64_t c = c0; c <= c1; ++c) {
+        const MaskTileKind kind = tile(b, n, rb, c);
+        any = any || kind != MaskTileKind::kEmpty;
+        all = all && kind == MaskTileKind::kFull;
+      }
+    if (rb0 > rb1 || c0 > c1) return MaskTileKind::kFull;
+    return !any ? MaskTileKind::kEmpty : all ? MaskTileKind::kFull : MaskTileKind::kPartial;
+  }
+
+  // Whether chunk c holds a visible key of some row of row blocks [rb0, rb1] (clamped to T).
+  JFA_HOST_DEVICE bool chunk_seen(int64_t b, int64_t n, int64_t rb0, int64_t rb1, int64_t c) const {
+    for (int64_t rb = rb0; rb <= rb1 && rb < row_blocks; ++rb)
+      if (tile(b, n, rb, c) != MaskTileKind::kEmpty) return true;
+    return false;
+  }
+
+  // Whether row block rb has a visible key in chunks [c0, c1] (clamped to S).
+  JFA_HOST_DEVICE bool row_block_sees(int64_t b, int64_t n, int64_t rb, int64_t c0, int64_t c1) const {
+    for (int64_t c = c0; c <= c1 && c < chunks; ++c)
+      if (tile(b, n, rb, c) != MaskTileKind::kEmpty) return true;
+    return false;
   }
 };
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "jfa/host_device.h"
+#include "jfa/packed_mask.h"
 
 namespace jfa {
 
@@ -107,9 +108,9 @@ struct MaskParams {
   const int32_t* q_segment_chunks = nullptr;
   const int32_t* kv_segment_chunks = nullptr;
 
-  // Boolean mask (1 byte per element, nonzero = attend), broadcast to [B, N, T, S] by strides.
-  const uint8_t* mask = nullptr;
-  Strides4 mask_strides;
+  // Boolean mask, bit-packed with per-tile summaries (jfa/packed_mask.h: jax_flashattn.PackedMask;
+  // a boolean array is packed by the caller), broadcast over B and N by strides. Absent: bits null.
+  PackedMaskView packed_mask;
 
   // Score modifiers, in order: logits = softcap * tanh(scale * q.k / softcap) (softcap > 0 only),
   // then + bias[b, n, i, j] (float32, broadcast by strides) + ALiBi.
@@ -159,12 +160,12 @@ struct MaskParams {
   // The ALiBi slope of batch element b, head n (alibi_slopes given).
   JFA_HOST_DEVICE float alibi_slope(int64_t b, int64_t n) const { return alibi_slopes[b * alibi_batch_stride + n]; }
   // Whether any element-wise mask beyond positions exists (tiles cannot be proven full).
-  JFA_HOST_DEVICE bool has_element_mask() const { return mask != nullptr; }
+  JFA_HOST_DEVICE bool has_element_mask() const { return packed_mask.present(); }
   // Whether any feature beyond plain/causal (top-left) attention is on: kernels that specialize
   // the plain path (sm80, sm90) take their general path, or decline the call, when it is.
   JFA_HOST_DEVICE bool active() const {
     return bottom_right || window_left >= 0 || window_right >= 0 || q_lengths != nullptr ||
-           kv_lengths != nullptr || q_segment_ids != nullptr || mask != nullptr || has_score_mod() ||
+           kv_lengths != nullptr || q_segment_ids != nullptr || packed_mask.present() || has_score_mod() ||
            has_dropout() || positions != nullptr;
   }
 };

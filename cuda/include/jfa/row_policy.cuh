@@ -58,11 +58,14 @@ __forceinline__ __device__ KeyRange segment_narrowed(KeyRange r, const int32_t* 
   return KeyRange{lo, hi > lo ? hi : lo};
 }
 
-// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile needs the per-element predicate for its
-// positions or the boolean mask. Segment ids add segments_split below.
-__forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, const SequenceBounds& s, int m0,
-                                                     int bm, int n0, int bn) {
-  return p.mask.mask != nullptr || position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull;
+// Whether the [m0, m0 + bm) x [n0, n0 + bn) tile of (batch b, head n) needs the per-element
+// predicate for its positions or the boolean mask (tiles its summaries do not prove full).
+// Segment ids add segments_split below.
+__forceinline__ __device__ bool general_tile_partial(const AttentionParams& p, const SequenceBounds& s, int64_t b,
+                                                     int64_t n, int m0, int bm, int n0, int bn) {
+  const PackedMaskView& mask = p.mask.packed_mask;
+  return (mask.present() && mask.block_kind(b, n, m0, bm, n0, bn) != MaskTileKind::kFull) ||
+         position_tile_kind(p, s, m0, bm, n0, bn) != TileKind::kFull;
 }
 
 // Whether segment ids may differ inside a tile whose query and key blocks the summaries describe
@@ -82,9 +85,9 @@ struct RowPolicy {
   int pos;          // i + offset: the row's key-aligned position (ALiBi)
   float slope;      // ALiBi slope (0 without)
   const int32_t* kv_seg;  // this batch element's kv segment ids, or null
-  const uint8_t* mask;    // the row of the boolean mask, or null
+  const uint32_t* mask;   // the row of the bit-packed mask (jfa/packed_mask.h), or null
   const float* bias;      // the row of the bias, or null
-  int mask_col, bias_col;  // column strides: 1, or 0 on a broadcast key axis (packed operands)
+  int bias_col;           // column stride: 1, or 0 on a broadcast key axis (packed operands)
 };
 
 __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const SequenceBounds& s, int64_t b,
@@ -97,10 +100,7 @@ __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const 
   r.pos = int(i + s.offset);
   r.kv_seg = m.q_segment_ids != nullptr ? m.kv_segment_ids + b * p.S : nullptr;
   r.seg = m.q_segment_ids != nullptr && valid ? m.q_segment_ids[b * p.T + i] : 0;
-  r.mask = m.mask != nullptr ? m.mask + b * m.mask_strides.batch + n * m.mask_strides.head +
-                                   int64_t(i) * m.mask_strides.row
-                             : nullptr;
-  r.mask_col = int(m.mask_strides.col);
+  r.mask = m.packed_mask.present() ? m.packed_mask.row(b, n, valid ? i : 0) : nullptr;
   r.bias = m.bias != nullptr ? m.bias + b * m.bias_strides.batch + n * m.bias_strides.head +
                                    int64_t(i) * m.bias_strides.row
                              : nullptr;
@@ -113,7 +113,7 @@ __forceinline__ __device__ RowPolicy row_policy(const AttentionParams& p, const 
 __forceinline__ __device__ bool row_visible(const RowPolicy& r, int j) {
   if (j < r.lo || j >= r.hi) return false;
   if (r.kv_seg != nullptr && r.kv_seg[j] != r.seg) return false;
-  if (r.mask != nullptr && r.mask[j * r.mask_col] == 0) return false;
+  if (r.mask != nullptr && !mask_row_has_key(r.mask, j)) return false;
   return true;
 }
 
