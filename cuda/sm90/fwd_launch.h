@@ -82,7 +82,9 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Lean = typename GeneralFwdConfig<Element, kHeadDim, true>::Traits;
   if (p.mask.active()) {
     if constexpr (kHeadDim == 64) {
-      if (p.T <= 1536) return detail::launch_general<Short>(p, stream);
+      // The boolean mask too: on 128-key blocks its threads read one word per row (mask.h,
+      // hide_masked); the 112-key blocks of the 192-row tile straddle chunks and test bit by bit.
+      if (p.T <= 1536 || p.mask.packed_mask.present()) return detail::launch_general<Short>(p, stream);
       if (p.mask.q_segment_ids != nullptr) return detail::launch_general<Short, Lean>(p, stream);
     }
     return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits, Lean>(p, stream);
