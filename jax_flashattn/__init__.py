@@ -17,6 +17,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from . import batching as _batching  # noqa: F401  (registers the vmap rules)
 from . import sharding as _sharding  # noqa: F401  (registers the partitioned lowerings)
+from . import _sparse_sharding  # noqa: F401  (registers the sparse primitives' partitioned lowerings)
 from ._ext import build_info
 from .attention import flash_attention
 from .context_parallel import context_parallel_attention, load_balance

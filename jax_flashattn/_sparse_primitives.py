@@ -8,8 +8,10 @@ v is a rank-0 placeholder when V is k[..., :value_head_dim] (then dv is a rank-0
 holds both gradients). Parameter `config` (SparseConfig) for the first two, scale, is_causal,
 bottom_right and head_group for attn_dist. Inputs are validated by jax_flashattn.sparse first.
 
-These primitives have no partitioning rule: under jit over a mesh XLA runs them on gathered
-operands. vmap folds every mapped axis into B (placeholders stay as they are).
+Each primitive has a per-device twin (sparse_fwd_kernel_p, sparse_bwd_kernel_p, attn_dist_kernel_p)
+with the same operands and parameters, which this module lowers to the FFI targets; the primitives
+themselves lower through _sparse_sharding.py, which partitions them over a mesh and binds the twins
+per shard. vmap folds every mapped axis into B (placeholders stay as they are).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from . import _ext
 from ._compat import Primitive, apply_primitive, batching, mlir, not_mapped
+from ._partitioning import dim_axes, shard_count, spec_entry
 from .primitives import _result, _spec
 
 
@@ -39,8 +42,14 @@ sparse_fwd_p.multiple_results = True
 sparse_bwd_p = Primitive("jfa_sparse_bwd")
 sparse_bwd_p.multiple_results = True
 attn_dist_p = Primitive("jfa_attn_dist")
+sparse_fwd_kernel_p = Primitive("jfa_sparse_fwd_kernel")
+sparse_fwd_kernel_p.multiple_results = True
+sparse_bwd_kernel_p = Primitive("jfa_sparse_bwd_kernel")
+sparse_bwd_kernel_p.multiple_results = True
+attn_dist_kernel_p = Primitive("jfa_attn_dist_kernel")
 
-for _prim in (sparse_fwd_p, sparse_bwd_p, attn_dist_p):
+for _prim in (sparse_fwd_p, sparse_bwd_p, attn_dist_p, sparse_fwd_kernel_p, sparse_bwd_kernel_p,
+              attn_dist_kernel_p):
     _prim.def_impl(partial(apply_primitive, _prim))
 
 
@@ -59,15 +68,27 @@ def _bwd_abstract_eval(q, k, v, indices, o, lse, do, dlse, *, config):
             _result(operands, k.shape, k.dtype, _spec(k, range(4))), dv)
 
 
+def whole_groups_per_shard(N, K, head_group, shards) -> bool:
+    """Whether heads split `shards` ways leave each device whole GQA groups (query head n uses K/V
+    head n // (N / K)) and whole groups of head_group query heads (attn_dist's sums)."""
+    return K % shards == 0 and (N // head_group) % shards == 0
+
+
 def _dist_abstract_eval(q, k, indices, lse, *, scale, is_causal, bottom_right, head_group):
     B, T, N, _ = q.shape
     shape = (B, N // head_group, T, indices.shape[-1])
-    return _result((q, k, indices, lse), shape, jnp.float32, _spec(q, (0,)) + [None] * 3)
+    # The head groups follow the query heads where their split keeps whole groups (Explicit axes).
+    heads = dim_axes(q.sharding, 4, 2)
+    kept = whole_groups_per_shard(N, k.shape[2], head_group, shard_count(q.sharding.mesh, heads))
+    return _result((q, k, indices, lse), shape, jnp.float32,
+                   _spec(q, (0,)) + [spec_entry(heads) if kept else None, None, None])
 
 
-sparse_fwd_p.def_abstract_eval(_fwd_abstract_eval)
-sparse_bwd_p.def_abstract_eval(_bwd_abstract_eval)
-attn_dist_p.def_abstract_eval(_dist_abstract_eval)
+for _prim, _kernel, _abstract_eval in ((sparse_fwd_p, sparse_fwd_kernel_p, _fwd_abstract_eval),
+                                      (sparse_bwd_p, sparse_bwd_kernel_p, _bwd_abstract_eval),
+                                      (attn_dist_p, attn_dist_kernel_p, _dist_abstract_eval)):
+    _prim.def_abstract_eval(_abstract_eval)
+    _kernel.def_abstract_eval(_abstract_eval)
 
 
 def _attrs(scale, is_causal, bottom_right):
@@ -87,13 +108,14 @@ _ffi_bwd = jax.ffi.ffi_lowering(_ext.SPARSE_BACKWARD_TARGET)
 _ffi_dist = jax.ffi.ffi_lowering(_ext.ATTN_DIST_TARGET)
 
 mlir.register_lowering(
-    sparse_fwd_p, lambda ctx, *args, config: _ffi_fwd(ctx, *args, **_config_attrs(config)), platform="cpu")
-mlir.register_lowering(
-    sparse_bwd_p, lambda ctx, *args, config: _ffi_bwd(ctx, *args, **_config_attrs(config),
-                                                      deterministic=np.int32(config.deterministic)),
+    sparse_fwd_kernel_p, lambda ctx, *args, config: _ffi_fwd(ctx, *args, **_config_attrs(config)),
     platform="cpu")
 mlir.register_lowering(
-    attn_dist_p, lambda ctx, *args, scale, is_causal, bottom_right, head_group: _ffi_dist(
+    sparse_bwd_kernel_p, lambda ctx, *args, config: _ffi_bwd(ctx, *args, **_config_attrs(config),
+                                                             deterministic=np.int32(config.deterministic)),
+    platform="cpu")
+mlir.register_lowering(
+    attn_dist_kernel_p, lambda ctx, *args, scale, is_causal, bottom_right, head_group: _ffi_dist(
         ctx, *args, **_attrs(scale, is_causal, bottom_right), head_group=np.int64(head_group)),
     platform="cpu")
 
@@ -149,9 +171,9 @@ def _cuda_dist(ctx, *args, scale, is_causal, bottom_right, head_group):
     return _ffi_dist(ctx, *args, **_attrs(scale, is_causal, bottom_right), head_group=np.int64(head_group))
 
 
-mlir.register_lowering(sparse_fwd_p, _cuda_forward, platform="cuda")
-mlir.register_lowering(sparse_bwd_p, _cuda_backward, platform="cuda")
-mlir.register_lowering(attn_dist_p, _cuda_dist, platform="cuda")
+mlir.register_lowering(sparse_fwd_kernel_p, _cuda_forward, platform="cuda")
+mlir.register_lowering(sparse_bwd_kernel_p, _cuda_backward, platform="cuda")
+mlir.register_lowering(attn_dist_kernel_p, _cuda_dist, platform="cuda")
 
 
 # ---- vmap ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """How the attention primitives run on a mesh under `jax.jit`: each call is partitioned into
 per-device kernel calls (`custom_partitioning`, with a Shardy sharding rule and the GSPMD
-callbacks, so it works with either partitioner). Inside a `shard_map` that is manual over every
-mesh axis the kernels simply run on the local blocks.
+callbacks, so it works with either partitioner; _partitioning.py holds the machinery, which the
+sparse primitives share). Inside a `shard_map` that is manual over every mesh axis the kernels
+simply run on the local blocks.
 
 What each call keeps sharded, decided from the query's sharding:
   * batch and heads: kept, with no collective in either pass. Key/value heads split with the
@@ -37,19 +38,17 @@ the local head index, so with dropout the heads stay whole.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
-                                                  custom_partitioning)
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+from jax.sharding import PartitionSpec as P
 
-from ._compat import mlir, prim_requires_devices_during_lowering
 from ._mask_packing import pack_mask_kernel_p, pack_mask_p
 from ._options import Extras
+from ._partitioning import (bind_kernel, dim_axes, head_factors, named, outside_mesh,
+                            register_partitioned, replication_order, shard_count, spec_entry)
 from .primitives import (attention_bwd_kernel_p, attention_bwd_p, attention_fwd_kernel_p,
                          attention_fwd_p)
 
@@ -100,29 +99,14 @@ class _Plan:
     heads: tuple = ()
 
 
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _entry(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _dim_axes(sharding, ndim, dim) -> tuple:
-    spec = tuple(getattr(sharding, "spec", ())) + (None,) * ndim
-    return _axes(spec[dim])
-
-
 def _plan(config, mesh, shapes, q_sharding, k_sharding) -> _Plan:
     K = shapes[1][2]
-    batch = _dim_axes(q_sharding, 4, 0)
-    query = _dim_axes(q_sharding, 4, 1) if _query_offsets_supported(config, shapes) else ()
-    heads = _dim_axes(q_sharding, 4, 2)
-    if config.dropout_rate or K % math.prod(mesh.shape[a] for a in heads):
+    batch = dim_axes(q_sharding, 4, 0)
+    query = dim_axes(q_sharding, 4, 1) if _query_offsets_supported(config, shapes) else ()
+    heads = dim_axes(q_sharding, 4, 2)
+    if config.dropout_rate or K % shard_count(mesh, heads):
         heads = ()
-    if _dim_axes(k_sharding, 4, 1):
+    if dim_axes(k_sharding, 4, 1):
         _warn_kv_sequence_gathered()
     return _Plan(batch, query, heads)
 
@@ -142,7 +126,7 @@ def _warn_kv_sequence_gathered():
 def _operand_specs(plan, shapes, backward):
     """PartitionSpecs of every operand, in the primitive's order."""
     (B, T, N, _), S = shapes[0], shapes[1][1]
-    b, t, n = _entry(plan.batch), _entry(plan.query), _entry(plan.heads)
+    b, t, n = spec_entry(plan.batch), spec_entry(plan.query), spec_entry(plan.heads)
     q4, kv4, rows = P(b, t, n, None), P(b, None, n, None), P(b, t, n)
     specs = [q4, kv4, kv4] + ([q4, rows, q4, rows] if backward else [])
     extras = shapes[-_NUM_EXTRAS:]
@@ -171,7 +155,7 @@ def _result_specs(plan, shapes, backward):
         return specs[0], P(*specs[0][:3])
     bias_spec = specs[_BWD_TENSORS]
     has_slopes = len(shapes[_BWD_TENSORS + _FIELD["alibi_slopes"]]) > 0
-    b, n = _entry(plan.batch), _entry(plan.heads)
+    b, n = spec_entry(plan.batch), spec_entry(plan.heads)
     return specs[0], specs[1], specs[2], bias_spec, P(b, n) if has_slopes else P()
 
 
@@ -186,16 +170,6 @@ def _broadcast_axes(plan, shape, full):
 
 
 # ---- Per-device computation ------------------------------------------------------------------
-
-def _outside_mesh(lower_fn):
-    """lower_fn traced outside the caller's mesh, since under `jax.set_mesh` with Explicit axes
-    its jnp ops would leave sharding annotations in the already partitioned program."""
-    @functools.wraps(lower_fn)
-    def traced(operands):
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            return lower_fn(operands)
-    return traced
-
 
 def _offset_queries(operands, config, query_axes, total_queries, top_left):
     """The operands and config that make this device's queries sit at their global positions
@@ -228,7 +202,7 @@ def _offset_queries(operands, config, query_axes, total_queries, top_left):
 
 
 def _forward_shard(plan, scale, config, implementation, total_queries, top_left):
-    @_outside_mesh
+    @outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
@@ -243,7 +217,7 @@ def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
     bias_shape = shapes[_BWD_TENSORS]
     top_left = _top_left(config, shapes)
 
-    @_outside_mesh
+    @outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
@@ -264,60 +238,37 @@ def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
 
 # ---- custom_partitioning callbacks -----------------------------------------------------------
 
-def _named(mesh, specs):
-    return tuple(NamedSharding(mesh, spec) for spec in specs)
-
-
-def _decide(config, mesh, arg_shapes):
+def _decide(params, mesh, arg_shapes):
     operands = arg_shapes[0]
     shapes = tuple(tuple(x.shape) for x in operands)
-    plan = _plan(config, mesh, shapes, operands[0].sharding, operands[1].sharding)
+    plan = _plan(dict(params)["config"], mesh, shapes, operands[0].sharding, operands[1].sharding)
     return plan, shapes
 
 
 def _infer(backward):
-    def infer_sharding_from_operands(shapes, scale, config, implementation, mesh, arg_shapes,
-                                     result_shape):
-        plan, shapes = _decide(config, mesh, arg_shapes)
-        return _named(mesh, _result_specs(plan, shapes, backward))
+    def infer_sharding_from_operands(shapes, params, mesh, arg_shapes, result_shape):
+        plan, shapes = _decide(params, mesh, arg_shapes)
+        return named(mesh, _result_specs(plan, shapes, backward))
     return infer_sharding_from_operands
 
 
 def _partition(backward):
-    def partition(shapes, scale, config, implementation, mesh, arg_shapes, result_shape):
-        plan, shapes = _decide(config, mesh, arg_shapes)
+    def partition(shapes, params, mesh, arg_shapes, result_shape):
+        plan, shapes = _decide(params, mesh, arg_shapes)
         total_queries = shapes[0][1]
+        p = dict(params)
+        scale, config, implementation = p["scale"], p["config"], p["implementation"]
         if backward:
             lower_fn = _backward_shard(plan, scale, config, implementation, total_queries, shapes)
         else:
             lower_fn = _forward_shard(plan, scale, config, implementation, total_queries,
                                       _top_left(config, shapes))
-        args = (_named(mesh, _operand_specs(plan, shapes, backward)),)
-        return mesh, lower_fn, _named(mesh, _result_specs(plan, shapes, backward)), args
+        args = (named(mesh, _operand_specs(plan, shapes, backward)),)
+        return mesh, lower_fn, named(mesh, _result_specs(plan, shapes, backward)), args
     return partition
 
 
-def _propagate_user_sharding(*args):
-    """The results keep the shardings the user gave them (the last argument, after the static
-    arguments and the mesh)."""
-    return jax.tree.map(lambda x: x.sharding, args[-1])
-
-
-def _head_factors(N, K, mesh):
-    """The query heads' factor and the factor sizes it needs. Query head n uses K/V head n // G:
-    the compound (k g) lets Shardy carry a head sharding between queries and keys. Shardy splits
-    a mesh axis into sub-axes where a factor does not divide by it (which custom_partitioning
-    cannot express), so the compound is used only where K divides by every head sharding the
-    mesh allows; elsewhere query and K/V heads are separate factors and the partition callback
-    matches them."""
-    if N == K:
-        return "k", {}
-    if K % math.prod(getattr(mesh, "shape", {}).values()) == 0:
-        return CompoundFactor("k", "g"), {"g": N // K}
-    return "n", {}
-
-
-def _operand_factors(shapes, heads, backward, fresh):
+def _operand_factors(shapes, heads, kv_heads, backward, fresh):
     """Each operand's factor names per dimension, in the primitive's order; a dimension of size 1
     where the full size is larger (a broadcast axis) gets a factor of its own from fresh()."""
     (B, T, N, _), (S, K) = shapes[0], shapes[1][1:3]
@@ -325,7 +276,7 @@ def _operand_factors(shapes, heads, backward, fresh):
     def dims(shape, names, full):
         return tuple(name if size == f else fresh() for size, name, f in zip(shape, names, full))
 
-    mappings = [("b", "t", heads, "h"), ("b", "s", "k", "h"), ("b", "s", "k", "d")]
+    mappings = [("b", "t", heads, "h"), ("b", "s", kv_heads, "h"), ("b", "s", kv_heads, "d")]
     if backward:  # o, lse, do, dlse
         mappings += [("b", "t", heads, "d"), ("b", "t", heads), ("b", "t", heads, "d"), ("b", "t", heads)]
     for name, shape in zip(Extras._fields, shapes[-_NUM_EXTRAS:]):
@@ -354,15 +305,17 @@ def _sdy_rule(backward):
     """The Shardy rule: batch (b), query sequence (t) and heads pass through; head dims (h, d),
     the key sequence (s) and broadcast axes stay whole, and so do the query sequence and the
     heads where the call cannot keep them sharded (`_plan` makes the same choices)."""
-    def rule(shapes, scale, config, implementation, mesh, value_types, result_types):
-        heads, sizes = _head_factors(shapes[0][2], shapes[1][2], mesh)
-        whole = ["h", "d", "s", "g"]
+    def rule(shapes, params, mesh, value_types, result_types):
+        config = dict(params)["config"]
+        factors = head_factors(mesh, shapes[0][2], shapes[1][2])
+        heads, (kv_heads,) = factors.query, factors.coarse
+        whole = ["h", "d", "s", *factors.rest]
 
         def fresh():
             whole.append(f"x{len(whole)}")
             return whole[-1]
 
-        operands = _operand_factors(shapes, heads, backward, fresh)
+        operands = _operand_factors(shapes, heads, kv_heads, backward, fresh)
         if backward:  # dq, dk, dv, d(bias), d(slopes)
             has_slopes = len(shapes[-_NUM_EXTRAS:][_FIELD["alibi_slopes"]]) > 0
             results = operands[:3] + [operands[_BWD_TENSORS], ("b", heads) if has_slopes else ()]
@@ -371,47 +324,19 @@ def _sdy_rule(backward):
         if not _query_offsets_supported(config, shapes):
             whole.append("t")
         if config.dropout_rate:
-            whole += ["n", "k"]
-        # Shardy wants the special factors in the order they first appear.
-        order = []
-        for mapping in operands + results:
-            for dim in mapping:
-                for factor in (dim if isinstance(dim, CompoundFactor) else (dim,)):
-                    if factor in whole and factor not in order:
-                        order.append(factor)
+            whole += factors.names
         return SdyShardingRule(tuple(ArrayMapping(*m) for m in operands),
                                tuple(ArrayMapping(*m) for m in results),
-                               need_replication_factors=tuple(order), **sizes)
+                               need_replication_factors=replication_order(whole, operands + results),
+                               **factors.sizes)
     return rule
 
 
-def _partitioned(backward):
-    kernel = attention_bwd_kernel_p if backward else attention_fwd_kernel_p
-
-    def per_device(shapes, scale, config, implementation, operands):
-        return tuple(kernel.bind(*operands, scale=scale, config=config,
-                                 implementation=implementation))
-
-    call = custom_partitioning(per_device, static_argnums=(0, 1, 2, 3))
-    call.def_partition(partition=_partition(backward),
-                       infer_sharding_from_operands=_infer(backward),
-                       propagate_user_sharding=_propagate_user_sharding,
-                       sharding_rule=_sdy_rule(backward))
-    return call
-
-
-def _lowering(backward):
-    call = _partitioned(backward)
-
-    def lower(*operands, scale, config, implementation):
-        shapes = tuple(tuple(x.shape) for x in operands)
-        return call(shapes, scale, config, implementation, tuple(operands))
-    return mlir.lower_fun(lower, multiple_results=True)
-
-
-for _prim, _backward in ((attention_fwd_p, False), (attention_bwd_p, True)):
-    mlir.register_lowering(_prim, _lowering(_backward))
-    prim_requires_devices_during_lowering.add(_prim)
+for _prim, _kernel, _backward in ((attention_fwd_p, attention_fwd_kernel_p, False),
+                                  (attention_bwd_p, attention_bwd_kernel_p, True)):
+    register_partitioned(_prim, _kernel, partition=_partition(_backward),
+                         infer_sharding_from_operands=_infer(_backward),
+                         sharding_rule=_sdy_rule(_backward))
 
 
 # ---- The pack-mask primitive -----------------------------------------------------------------
@@ -422,35 +347,23 @@ def _pack_spec(sharding):
     return P(spec[0], spec[1], None, None)
 
 
-def _pack_infer(q_len, kv_len, mesh, arg_shapes, result_shape):
-    return _named(mesh, [_pack_spec(arg_shapes[0].sharding)] * 2)
+def _pack_infer(shapes, params, mesh, arg_shapes, result_shape):
+    (mask,), = arg_shapes
+    return named(mesh, [_pack_spec(mask.sharding)] * 2)
 
 
-def _pack_per_device(q_len, kv_len, mask):
-    return tuple(pack_mask_kernel_p.bind(mask, q_len=q_len, kv_len=kv_len))
+def _pack_partition(shapes, params, mesh, arg_shapes, result_shape):
+    (mask,), = arg_shapes
+    spec = _pack_spec(mask.sharding)
+    lower_fn = outside_mesh(lambda operands: bind_kernel(pack_mask_kernel_p, operands, params))
+    return mesh, lower_fn, named(mesh, [spec] * 2), (named(mesh, [spec]),)
 
 
-def _pack_partition(q_len, kv_len, mesh, arg_shapes, result_shape):
-    spec = _pack_spec(arg_shapes[0].sharding)
-    lower_fn = _outside_mesh(functools.partial(_pack_per_device, q_len, kv_len))
-    return mesh, lower_fn, _named(mesh, [spec] * 2), _named(mesh, [spec])
-
-
-def _pack_sdy_rule(q_len, kv_len, mesh, value_types, result_types):
+def _pack_sdy_rule(shapes, params, mesh, value_types, result_types):
     return SdyShardingRule((ArrayMapping("b", "n", "t", "s"),),
                            (ArrayMapping("b", "n", "r", "w"), ArrayMapping("b", "n", "u", "c")),
                            need_replication_factors=("t", "s", "r", "w", "u", "c"))
 
 
-def _pack_lowering():
-    call = custom_partitioning(_pack_per_device, static_argnums=(0, 1))
-    call.def_partition(partition=_pack_partition, infer_sharding_from_operands=_pack_infer,
-                       propagate_user_sharding=_propagate_user_sharding, sharding_rule=_pack_sdy_rule)
-
-    def lower(mask, *, q_len, kv_len):
-        return call(q_len, kv_len, mask)
-    return mlir.lower_fun(lower, multiple_results=True)
-
-
-mlir.register_lowering(pack_mask_p, _pack_lowering())
-prim_requires_devices_during_lowering.add(pack_mask_p)
+register_partitioned(pack_mask_p, pack_mask_kernel_p, partition=_pack_partition,
+                     infer_sharding_from_operands=_pack_infer, sharding_rule=_pack_sdy_rule)

@@ -8,9 +8,11 @@ failure.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 DEVICES = 8
+COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/util.py
 
@@ -41,3 +44,19 @@ def cpu_mesh(shape, names, axis_type=jax.sharding.AxisType.Auto):
         pytest.skip(reason)
     return jax.sharding.Mesh(np.array(devices[:count]).reshape(shape), names,
                              axis_types=(axis_type,) * len(names))
+
+
+def collectives(fn, *args):
+    """The kinds of collective in fn's compiled program for these (sharded) arguments."""
+    return sorted(set(COLLECTIVE.findall(jax.jit(fn).lower(*args).compile().as_text())))
+
+
+@contextlib.contextmanager
+def partitioner(shardy: bool):
+    """Partitions with Shardy (JAX's default) or, with shardy=False, with GSPMD."""
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)

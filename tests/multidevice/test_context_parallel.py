@@ -13,11 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_flashattn as jfa
-from conftest import cpu_mesh
+from conftest import COLLECTIVE, cpu_mesh
 from util import fresh_seed, random_qkv, rel_err
-
-COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
-
 
 def problem(seed, B=2, T=64, N=4, K=2, H=16, dtype=jnp.float32):
     q, k, v = random_qkv(seed, B, T, T, N, K, H, dtype=dtype)

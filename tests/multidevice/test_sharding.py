@@ -4,9 +4,7 @@ for batch and head sharding, and for query-sequence sharding none in the forward
 dK/dV reduction in the backward."""
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,26 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_flashattn as jfa
 from jax_flashattn import sharding as jfa_sharding
-from conftest import cpu_mesh
+from conftest import collectives, cpu_mesh, partitioner
 from util import fresh_seed, random_qkv, rel_err
-
-COLLECTIVE = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
-
-
-def collectives(fn, *args):
-    """The kinds of collective in fn's compiled program for these (sharded) arguments."""
-    return sorted(set(COLLECTIVE.findall(jax.jit(fn).lower(*args).compile().as_text())))
-
-
-@contextlib.contextmanager
-def partitioner(shardy: bool):
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", old)
-
 
 def forward_and_grads(q, k, v, do, dlse, differentiable=(), **kw):
     """(out, lse) and the gradients of <out, do> + <lse, dlse> for q, k, v and the keyword
