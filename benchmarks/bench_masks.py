@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import time
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashattn as jfa
+from bench_decode import timed  # the same back-to-back timing
 
 MASKS = ["none", "causal", "causal_tensor", "block10", "block50", "random50"]
 IMPLS = ["jax_flashattn", "cudnn", "xla"]
@@ -64,14 +64,6 @@ def make_fn(impl, name, T, S, passes):
     if passes == "fwd":
         return jax.jit(attend)
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-
-
-def timed(fn, args, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main():

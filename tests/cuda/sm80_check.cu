@@ -53,7 +53,7 @@ struct Features {
   float softcap = 0.f;
   bool alibi = false;
   int bias = 0;  // 0: none; 1: [B, N, T, S]; 2: [1, N, 1, S]; 3: [B, 1, T, 1]
-  bool mask = false;  // [B, 1, T, S]: tiles empty, full or ~20% hidden; one fully hidden row
+  bool mask = false;  // [B, 1, T, S]: empty, full and mixed tiles, so every tile kind is exercised
   float dropout = 0.f;
   bool deterministic = false;  // ordered dQ adds; the backward runs twice and dq must match bitwise
 };

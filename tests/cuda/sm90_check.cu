@@ -159,7 +159,7 @@ static void make_masks(const Config& c, MaskOperands& m, std::mt19937& rng) {
     for (int i = 0; i < c.N * c.S; ++i) m.bias.push_back(nd(rng));
     h.bias_strides = jfa::Strides4{0, c.S, 0, 1};
   }
-  if (c.features & kMask)  // [B, 1, T, S]: tiles empty, full or 80 % visible
+  if (c.features & kMask)  // [B, 1, T, S]: empty, full and mixed tiles (tiled_random_mask)
     m.mask = pack_mask_host(tiled_random_mask(c.B, c.T, c.S, 800, rng), c.B, c.T, c.S);
   if (c.features & kDropout) {
     h.dropout_rate = 0.3f;
