@@ -147,6 +147,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dslopes, ffi::Result<ffi::AnyBuffer> dq_accum,
                         ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dq_semaphore,
+                        ffi::Result<ffi::AnyBuffer> dkv_accum,
                         float scale, int32_t is_causal, int32_t bottom_right, int64_t window_left,
                         int64_t window_right, float softcap, float dropout_rate, int32_t deterministic) {
   AttentionParams p;
@@ -186,6 +187,14 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
         return invalid("deterministic=True on the GPU needs the dbias output in the full [B, N, T, S] shape "
                        "(a bias's broadcast axes would otherwise be summed with float atomics), got " +
                        ffi_decode::shape_str(dbias->dimensions()));
+  }
+  // GQA's dK and dV partial sums (params.h): rank 0 where the lowering has none to give.
+  if (dkv_accum->dimensions().size() != 0) {
+    if (auto e = ffi_decode::expect(*dkv_accum, "dk/dv workspace", {2, p.B, p.K, p.dkv_accum_rows(), p.H},
+                                    ffi::DataType::F32);
+        e.failure())
+      return e;
+    p.dkv_accum = static_cast<float*>(dkv_accum->untyped_data());
   }
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
@@ -272,6 +281,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // row statistics workspace, float32 [2, B, N, padded T]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk/dv workspace, float32 [2, B, K, padded S, H] (GQA; else rank 0)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("bottom_right")

@@ -1,6 +1,8 @@
 // The Hopper backward's epilogue: dK (times the softmax scale) and dV of the CTA's key block, to
 // the input dtype, staged in the Q and dO buffers and stored by TMA (rows past S are clipped by
-// TMA). A key block that no query sees stores zeros.
+// TMA). A key block that no query sees stores zeros. Where the query heads of a GQA group run in
+// CTAs of their own, each adds its partial dK and dV into the float32 workspace instead
+// (bwd_convert_dkv_kernel stores them).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -25,6 +27,13 @@ __forceinline__ __device__ void bwd_epilogue(const BwdParams<Traits>& p, BwdShar
   const int w = mma_warp_group(), wg_tid = tid % 128;
   CUTE_UNROLL
   for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.attn.scale;
+  if (p.head_chunks > 1) {
+    if (walk.num_steps == 0) return;  // the workspace starts at zero
+    float* dk = bwd_dkv_share<Traits>(p.attn, 0, walk.batch, walk.kv_head, walk.n_block, w);
+    atomic_add_share(tdKrdK, dk, wg_tid);
+    atomic_add_share(tdVrdV, bwd_dkv_share<Traits>(p.attn, 1, walk.batch, walk.kv_head, walk.n_block, w), wg_tid);
+    return;
+  }
   Tensor rdK = make_tensor<Element>(tdKrdK.layout());
   Tensor rdV = make_tensor<Element>(tdVrdV.layout());
   convert(tdKrdK, rdK);

@@ -66,11 +66,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   typename Traits::TiledMmadKV mma_dkv;
-  // (keys, H), or for the split-head layout (H, keys): dKᵀ and dVᵀ.
-  using AccShape = std::conditional_t<Traits::kSplitHead, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>,
-                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>>;
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, AccShape{});
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, AccShape{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, typename Traits::AccShapeKV{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, typename Traits::AccShapeKV{});
   clear(tdKrdK);
   clear(tdVrdV);
   if (walk.num_steps > 0) {

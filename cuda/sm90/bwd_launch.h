@@ -46,29 +46,50 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
       <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  const BwdParams<Traits> kp = make_bwd_params<Traits>(p);
-  const int num_bk = int(p.B * p.K);
+  BwdParams<Traits> kp = make_bwd_params<Traits>(p);
+  const int group = int(p.N / p.K);
+  // Causal GQA: a CTA per query head of the group, adding its partial dK and dV into the float32
+  // workspace, rather than one walking the whole group. Causal CTAs of one K/V head end at
+  // different times, so those walking a group drift apart over its query heads, whose Q, dO and dQ
+  // together overflow L2 at long sequences; CTAs of one query head each fit in L2 sections, as
+  // without GQA. deterministic=True keeps whole groups (the dK and dV atomics would reorder).
+  kp.head_chunks = group > 1 && p.dkv_accum != nullptr && !p.deterministic && (kCausal || p.is_causal) ? group : 1;
+  // Where a CTA still walks several query heads with causality (no workspace), it walks down from
+  // the last query block with the heads innermost, so that the CTAs that start together read the
+  // same Q and dO rows at the same time.
+  const int heads = group / kp.head_chunks;
+  kp.walk_down = p.deterministic || (heads > 1 && (kCausal || p.is_causal));
+  if (kp.head_chunks > 1) {
+    err = cudaMemsetAsync(p.dkv_accum, 0, size_t(2 * p.B * p.K * p.dkv_accum_rows()) * kHeadDim * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const int num_units = int(p.B * p.K) * kp.head_chunks;  // (batch, K/V head, chunk of its query heads)
   // L2 sections take 32 of the 50 MB of an H100/H200, as the forward's (tile_scheduler.h), but
   // hold at least a wave of CTAs: longest-first only orders the tiles within a section, and
   // sections of fewer CTAs than the GPU runs at once (GQA, whose CTAs each walk a whole group of
   // query heads) would start their longest tiles late; more than that only spreads the CTAs
-  // running together over more heads than L2 holds. Where one (batch, K/V head) pair alone
-  // overflows that budget (GQA at long sequences), sections buy nothing: one section, longest first
-  // over all.
+  // running together over more heads than L2 holds. Where one unit alone overflows that budget
+  // (GQA at long sequences), sections buy nothing: one section, longest first over all.
   constexpr int64_t kL2Budget = int64_t(32) << 20;
-  const int64_t pair_bytes = (p.N / p.K) * p.T * p.H * (2 * int64_t(sizeof(Element)) + 4);
+  const int64_t unit_bytes = heads * p.T * p.H * (2 * int64_t(sizeof(Element)) + 4);
   const int one_wave = (num_sms() + kp.num_n_blocks - 1) / kp.num_n_blocks;
-  const int section = pair_bytes > kL2Budget
-                          ? num_bk
-                          : std::max(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), p.N / p.K, kL2Budget), one_wave);
-  const BwdOrderOf<kCausal, kPolicies> order{kp.num_n_blocks, int(p.K), num_bk, std::min(section, num_bk)};
+  const int section = unit_bytes > kL2Budget
+                          ? num_units
+                          : std::max(l2_section_bk(p.T, p.H, int64_t(sizeof(Element)), heads, kL2Budget), one_wave);
+  const BwdOrderOf<kCausal, kPolicies> order{kp.num_n_blocks, int(p.K) * kp.head_chunks, num_units,
+                                             std::min(section, num_units)};
   auto kernel = &bwd_kernel<Traits, kCausal, kPolicies>;
   constexpr int smem = int(sizeof(BwdSharedStorage<Traits>));
   static_assert(smem <= 227 * 1024, "exceeds the 227 KB of smem an sm90 CTA may use");
   if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
     return err;
-  kernel<<<dim3(unsigned(kp.num_n_blocks * num_bk)), Traits::kNumThreads, smem, stream>>>(kp, order);
+  kernel<<<dim3(unsigned(kp.num_n_blocks * num_units)), Traits::kNumThreads, smem, stream>>>(kp, order);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (kp.head_chunks > 1) {
+    bwd_convert_dkv_kernel<Traits>
+        <<<dim3(unsigned(kp.num_n_blocks * p.K * p.B)), Traits::kNumMmaThreads, 0, stream>>>(p);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
 
   bwd_convert_dq_kernel<Traits>
       <<<dim3(unsigned(kp.num_m_blocks * p.N * p.B)), Traits::kNumMmaThreads, 0, stream>>>(p);

@@ -24,18 +24,6 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
-// acc's values into the global accumulator's share `slice` of this warpgroup, in the order of
-// BwdTraits::kDqSliceFloats' comment (value group g, 4 floats, of thread t at float (g·128 + t)·4).
-template <typename Acc>
-__forceinline__ __device__ void bwd_add_dq(Acc const& acc, float* slice, int wg_tid) {
-  constexpr int n = decltype(size(acc))::value;
-  static_assert(n % 4 == 0);
-  CUTE_UNROLL
-  for (int g = 0; g < n / 4; ++g)
-    atomicAdd(reinterpret_cast<float4*>(slice) + g * 128 + wg_tid,
-              make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
-}
-
 // Runs every step of the CTA's walk (at least one); dKᵀ (unscaled) and dVᵀ accumulate in the
 // given fragments. kPolicies: the plain path (0) or the general one (bwd_general.h).
 template <typename Traits, bool kCausal, int kPolicies, typename AccKV>
@@ -79,13 +67,13 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
   // Dropout: the keep bits of the step at hand, made during the last GEMM of the step before.
   constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
   auto keep_bits_of = [&](int s) {
-    const BwdStep st = walk.step(s, p.group);
+    const BwdStep st = walk.step(s);
     return bwd_keep_bits</*kQueriesInColumns=*/false>(block, st.head, st.m_block, kBlockM, cS_rc);
   };
   decltype(keep_bits_of(0)) keep{};
   if constexpr (kDropout) keep = keep_bits_of(0);
 
-  bwd_for_each_step<Traits>(ss, walk, p.group, [&](int s, const BwdStep& st, const PipelineState& read)
+  bwd_for_each_step<Traits>(ss, walk, [&](int s, const BwdStep& st, const PipelineState& read)
                                                     CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
@@ -120,7 +108,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
       }
       bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);
     }
-    bwd_add_dq(tdQrdQ, dq + w * Traits::kDqSliceFloats, wg_tid);
+    atomic_add_share(tdQrdQ, dq + w * Traits::kDqSliceFloats, wg_tid);
     if (p.attn.deterministic) {
       __threadfence();
       bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);

@@ -22,6 +22,10 @@ struct BwdParams {
   TmaStoreBox<Element> tma_dk, tma_dv;
   GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); dO has Q's shape, dK and dV K's
   int num_n_blocks, num_m_blocks, group;  // group = N / K query heads per K/V head
+  // Set by the launcher (bwd_launch.h): CTAs per key block of a K/V head (each walks group /
+  // head_chunks of its query heads), and whether the walk runs down (BwdWalk::ordered).
+  int head_chunks;
+  bool walk_down;
   AttentionParams attn;
 };
 
@@ -42,6 +46,8 @@ BwdParams<Traits> make_bwd_params(const AttentionParams& p) {
                            int((p.S + kBlockN - 1) / kBlockN),
                            int((p.T + kBlockM - 1) / kBlockM),
                            int(p.N / p.K),
+                           1,
+                           p.deterministic,
                            p};
 }
 
@@ -53,8 +59,8 @@ __forceinline__ __device__ int2 bwd_m_block_range(const BwdParams<Traits>& p, in
   return make_int2(begin, p.num_m_blocks);
 }
 
-// Step s of a CTA's walk: query head (of the group) s / steps_per_head, query block begin + the
-// rest. deterministic=True (`ordered`) walks the other way: down from the last query block, the
+// Step s of a CTA's walk over `heads` query heads from head0: query head head0 + s / steps_per_head,
+// query block begin + the rest. deterministic=True (`ordered`) walks the other way: down from the last query block, the
 // group's query heads innermost, so that the CTAs of every key block reach a query block at the same
 // step and each waits for its turn there (bwd_dq_order.h) only as long as the lower key blocks'
 // adds take; walking up from the diagonal, a causal key block's first block would be the lower
@@ -66,16 +72,17 @@ struct BwdStep {
 
 struct BwdWalk {
   int kv_head, batch, n_block;
+  int head0, heads;  // the query heads the CTA walks
   int m_begin, steps_per_head, num_steps;
   bool ordered;
 
-  __forceinline__ __device__ BwdStep step(int s, int group) const {
+  __forceinline__ __device__ BwdStep step(int s) const {
     if (ordered) {
-      const int back = s / group;
-      return {kv_head * group + (s - back * group), m_begin + steps_per_head - 1 - back};
+      const int back = s / heads;
+      return {head0 + (s - back * heads), m_begin + steps_per_head - 1 - back};
     }
     const int g = s / steps_per_head;
-    return {kv_head * group + g, m_begin + (s - g * steps_per_head)};
+    return {head0 + g, m_begin + (s - g * steps_per_head)};
   }
 };
 
@@ -83,25 +90,27 @@ struct BwdWalk {
 // (bwd_general.h), and a key block that no query sees gets an empty walk.
 template <typename Traits, bool kCausal, int kPolicies, typename Order>
 __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Order& order) {
-  const TileCoord t = order.get(int(blockIdx.x));
+  const TileCoord t = order.get(int(blockIdx.x));  // t.head: K/V head · head_chunks + chunk
+  const int kv_head = t.head / p.head_chunks, heads = p.group / p.head_chunks;
   int2 range;
   if constexpr (kPolicies != 0)
-    range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, t.batch, t.head, t.m_block);
+    range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, t.batch, kv_head, t.m_block);
   else
     range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;
-  return BwdWalk{t.head, t.batch, t.m_block, range.x, per_head, per_head * p.group, p.attn.deterministic};
+  const int head0 = kv_head * p.group + (t.head - kv_head * p.head_chunks) * heads;
+  return BwdWalk{kv_head, t.batch, t.m_block, head0, heads, range.x, per_head, per_head * heads, p.walk_down};
 }
 
 // Waits for the CTA's K and V, then runs step(s, the step, the Q/dO ring's read state) for every
 // step of the walk, advancing the ring after each.
 template <typename Traits, typename Storage, typename Body>
-__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, int group, Body&& body) {
+__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, Body&& body) {
   ss.kv_full.wait(0);
   typename Traits::PipelineState read;
 #pragma unroll 1
   for (int s = 0; s < walk.num_steps; ++s) {
-    body(s, walk.step(s, group), read);
+    body(s, walk.step(s), read);
     ++read;
   }
 }
@@ -110,6 +119,17 @@ __forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& wa
 template <typename Traits>
 __forceinline__ __device__ int64_t bwd_row_offset(const AttentionParams& p, int batch, int head, int m_block) {
   return (int64_t(batch) * p.N + head) * p.dq_accum_rows() + int64_t(m_block) * Traits::kBlockM;
+}
+
+// A warpgroup's share of the dK (which = 0) or dV (1) partial sums of key block n_block in the
+// workspace (params.h: dkv_accum), in atomic_add_share's order; the warpgroups' shares follow one
+// another.
+template <typename Traits>
+__forceinline__ __device__ float* bwd_dkv_share(const AttentionParams& p, int which, int batch, int kv_head,
+                                                int n_block, int w) {
+  constexpr int kShareFloats = Traits::kBlockN * Traits::kHeadDim / Traits::kNumMmaWarpGroups;
+  return p.dkv_accum + ((int64_t(which) * p.B + batch) * p.K + kv_head) * p.dkv_accum_rows() * Traits::kHeadDim +
+         int64_t(n_block) * Traits::kBlockN * Traits::kHeadDim + w * kShareFloats;
 }
 
 }  // namespace jfa::sm90

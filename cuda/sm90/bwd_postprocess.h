@@ -50,4 +50,53 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
   }
 }
 
+// dK and dV from the float32 workspace where a GQA group's query heads ran in CTAs of their own:
+// one CTA per (key block, K/V head, batch), each thread reading back what the main kernel's thread
+// of the same index added (bwd_dkv_share) and finding its coordinates through the same dK/dV tiled
+// MMA. dK is scaled already.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dkv_kernel(const AttentionParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int num_n_blocks = int((p.S + kBlockN - 1) / kBlockN);
+  const int n_block = int(blockIdx.x % num_n_blocks);
+  const int kv_head = int((blockIdx.x / num_n_blocks) % p.K);
+  const int batch = int(blockIdx.x / num_n_blocks / p.K);
+  const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;
+
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor coord = mma_dkv.get_thread_slice(tid).partition_C(make_identity_tensor(typename Traits::AccShapeKV{}));
+  constexpr int n = decltype(size(coord))::value;
+  CUTE_UNROLL
+  for (int which = 0; which < 2; ++which) {
+    const float4* share =
+        reinterpret_cast<const float4*>(bwd_dkv_share<Traits>(p, which, batch, kv_head, n_block, w));
+    const Strides& st = which == 0 ? p.dk_strides : p.dv_strides;
+    Element* out = static_cast<Element*>(which == 0 ? p.dk : p.dv) + batch * st.batch + kv_head * st.head;
+    CUTE_UNROLL
+    for (int g = 0; g < n / 4; ++g) {
+      const float4 x = share[g * 128 + wg_tid];
+      const float v[4] = {x.x, x.y, x.z, x.w};
+      if constexpr (Traits::kSplitHead) {  // (H, keys): dKᵀ and dVᵀ, one element per store
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const int key = n_block * kBlockN + get<1>(coord(4 * g + j)), col = get<0>(coord(4 * g + j));
+          if (key < p.S) out[int64_t(key) * st.row + col] = Element(v[j]);
+        }
+      } else {  // (keys, H): values (j, j + 1), j even, are columns (c, c + 1) of one key
+        CUTE_UNROLL
+        for (int j = 0; j < 4; j += 2) {
+          const int key = n_block * kBlockN + get<0>(coord(4 * g + j)), col = get<1>(coord(4 * g + j));
+          if (key < p.S) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = Element(v[j]);
+            pair[1] = Element(v[j + 1]);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(out + int64_t(key) * st.row + col) = pair;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace jfa::sm90

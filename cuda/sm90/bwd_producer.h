@@ -44,7 +44,7 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
     const typename Traits::SmemLayoutQ layout_q;
     const typename Traits::SmemLayoutdO layout_do;
     load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-              walk.step(0, p.group));
+              walk.step(0));
     if (leader) {
       ss.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
       uint64_t& bar = reinterpret_cast<uint64_t&>(ss.kv_full);
@@ -56,11 +56,11 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
 #pragma unroll 1
     for (int s = 0; s < walk.num_steps; ++s) {
       load_rows(p.tma_do, layout_do, ss.dout.data(), pipeline_do, p.attn.softmax_d, ss.d[write.index()],
-                walk.step(s, p.group));
+                walk.step(s));
       ++write;
       if (s + 1 < walk.num_steps)
         load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-                  walk.step(s + 1, p.group));
+                  walk.step(s + 1));
     }
   }
   // Do not exit while a consumer may still arrive on a barrier of this CTA.
@@ -82,7 +82,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   constexpr int kHandshake = 128 + 32;
 #pragma unroll 1
   for (int s = 0; s < walk.num_steps; ++s) {
-    const BwdStep st = walk.step(s, p.group);
+    const BwdStep st = walk.step(s);
     float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * Traits::kHeadDim;
     int32_t* semaphore = nullptr;
     if (p.attn.deterministic) {

@@ -93,6 +93,7 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   using typename Base::SmemAtom;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumMmaWarpGroups, Base::kStages;
   static constexpr bool kSplitHead = false;
+  using AccShapeKV = Shape<Int<kBlockN>, Int<kHeadDim>>;  // the dK and dV accumulators: (keys, H)
   static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
 
   // dQ = dS·K splits its queries over the warpgroups where there are 128 of them, else its head dim.
@@ -141,6 +142,7 @@ struct BwdTraitsSplitHead : BwdTraitsBase<Element_, kHeadDim_, 64, 64> {
   using typename Base::SmemAtom;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSplitHead = true;
+  using AccShapeKV = Shape<Int<kHeadDim>, Int<kBlockN>>;  // dKᵀ and dVᵀ: (H, keys)
   static_assert(kHeadDim % 128 == 0);
 
   using TiledMmaSdP = decltype(make_tiled_mma(

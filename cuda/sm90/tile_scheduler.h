@@ -73,12 +73,13 @@ struct TileScheduler {
 // order. A key block's CTA walks every query block that sees it, so with top-left causal the first
 // key blocks are the longest: they go first (longest-first sections, as above). Without causality
 // all of a head's key blocks are adjacent, so the CTAs running together share its Q and dO in L2.
-// `head` of the TileCoord is the K/V head, `m_block` the key block.
+// `head` of the TileCoord is the K/V head times the launcher's head chunks plus the chunk (the
+// query heads of the group a CTA walks: bwd_params.h), `m_block` the key block.
 template <bool kLongestFirst>
 struct BwdTileOrder {
   int num_n_blocks;
-  int num_kv_heads;  // K
-  int num_bk;        // B · K
+  int num_kv_heads;  // K · head chunks
+  int num_bk;        // B · K · head chunks
   int section_bk;    // (batch, K/V head) pairs per L2 section (kLongestFirst only)
 
   __forceinline__ __device__ TileCoord get(int tile) const {

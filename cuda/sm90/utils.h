@@ -116,4 +116,17 @@ __forceinline__ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Adds a warpgroup's accumulator into `share` in global memory with 16-byte float atomics, value
+// group g (4 floats) of thread t at float (g·128 + t)·4: a warpgroup's atomics cover contiguous
+// spans, and a reader that knows the accumulator's layout finds every value's coordinates.
+template <typename Acc>
+__forceinline__ __device__ void atomic_add_share(Acc const& acc, float* share, int wg_tid) {
+  constexpr int n = decltype(size(acc))::value;
+  static_assert(n % 4 == 0);
+  CUTE_UNROLL
+  for (int g = 0; g < n / 4; ++g)
+    atomicAdd(reinterpret_cast<float4*>(share) + g * 128 + wg_tid,
+              make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
+}
+
 }  // namespace jfa::sm90

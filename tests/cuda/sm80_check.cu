@@ -454,6 +454,13 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.dk = d_dk; p.dk_strides = k.strides();
   p.dv = d_dv; p.dv_strides = v.strides();
   p.dq_accum = d_dqacc; p.softmax_d = d_D;
+  float* d_dkvacc = nullptr;  // GQA's dK and dV partial sums (params.h), as the lowering gives them
+  if (c.N > c.K && !c.f.deterministic) {
+    const size_t elems = size_t(2) * c.B * c.K * p.dkv_accum_rows() * c.H;
+    CK(cudaMalloc(&d_dkvacc, elems * 4));
+    CK(cudaMemset(d_dkvacc, 0xFF, elems * 4));  // the launcher must zero it
+    p.dkv_accum = d_dkvacc;
+  }
   int32_t* d_sem = nullptr;
   if (c.f.deterministic) {
     const size_t sems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_semaphores_per_head();
@@ -517,6 +524,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemset(d_dq, 0xFF, o_elems * 2)); CK(cudaMemset(d_dk, 0xFF, k.size() * 2));
     CK(cudaMemset(d_dv, 0xFF, v.size() * 2)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
     CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
+    if (d_dkvacc != nullptr) CK(cudaMemset(d_dkvacc, 0xFF, size_t(2) * c.B * c.K * p.dkv_accum_rows() * c.H * 4));
     if (d_dbias != nullptr) CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: it must zero them
     if (d_dslopes != nullptr) CK(cudaMemset(d_dslopes, 0xFF, size_t(c.B) * c.N * dslope_slots * 4));
     p.lse_log2 = d_D + stat_rows;
@@ -643,6 +651,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
   if (d_dbias != nullptr) CK(cudaFree(d_dbias));
   if (d_dslopes != nullptr) CK(cudaFree(d_dslopes));
   if (d_sem != nullptr) CK(cudaFree(d_sem));
+  if (d_dkvacc != nullptr) CK(cudaFree(d_dkvacc));
 }
 
 static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper_only = false, int K = 0) {
@@ -672,6 +681,11 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper
   p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = jfa::packed_strides(S, K, H);
   p.lse = lse; p.lse_strides = jfa::Strides{int64_t(T) * N, N, 1};
   p.dq_accum = dqacc; p.softmax_d = D;
+  float* dkvacc = nullptr;
+  if (N > K) {
+    CK(cudaMalloc(&dkvacc, size_t(2) * B * K * p.dkv_accum_rows() * H * 4));
+    p.dkv_accum = dkvacc;
+  }
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   cudaEvent_t e0, e1;
@@ -711,6 +725,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper
   if (hopper_only) {
     for (int i = 0; i < 8; ++i) CK(cudaFree(bufs[i]));
     CK(cudaFree(lse)); CK(cudaFree(dqacc)); CK(cudaFree(D));
+    if (dkvacc != nullptr) CK(cudaFree(dkvacc));
     CK(cudaStreamDestroy(s));
     return;
   }
@@ -740,6 +755,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper
   fflush(stdout);
   for (int i = 0; i < 8; ++i) CK(cudaFree(bufs[i]));
   CK(cudaFree(lse)); CK(cudaFree(dqacc)); CK(cudaFree(D));
+  if (dkvacc != nullptr) CK(cudaFree(dkvacc));
   CK(cudaStreamDestroy(s));
 }
 

@@ -217,6 +217,10 @@ struct AttentionParams {
   // aligned, which the Hopper backward's bulk copies of them need.
   float* softmax_d = nullptr;
   float* lse_log2 = nullptr;
+  // GQA only (null otherwise): float32 [2, B, K, dkv_accum_rows(), H], dK then dV, for the Hopper
+  // backward when it runs a group's query heads in CTAs of their own, which add their partial dK and
+  // dV here (zeroed by its launcher) instead of storing them.
+  float* dkv_accum = nullptr;
 
   // Deterministic backward (deterministic=True): every lane of a dQ tile receives its key
   // blocks' adds in increasing key-block order, ordered through dq_semaphore, int32 [kDqLanes, B,
@@ -232,6 +236,9 @@ struct AttentionParams {
 
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
     return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
+  }
+  JFA_HOST_DEVICE int64_t dkv_accum_rows() const {
+    return (S + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
   }
   JFA_HOST_DEVICE int64_t dq_semaphores_per_head() const { return (T + kDqSemaphoreRows - 1) / kDqSemaphoreRows; }
 
