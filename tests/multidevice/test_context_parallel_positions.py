@@ -199,6 +199,19 @@ def test_bottom_right_alignment_with_lengths(case, layout, strategy):
           causal_alignment="bottom_right", **static)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bottom_right_alignment_with_more_keys_than_queries(strategy):
+    # 48 queries against 96 keys: bottom-right alignment moves every query 48 keys on.
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, B, 48, 96, N, K, H)
+    rng = np.random.default_rng(seed)
+    cotangents = (jnp.asarray(rng.normal(size=q.shape), jnp.float32),
+                  jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32))
+    slopes = jnp.asarray(rng.uniform(0.02, 0.5, (N,)), jnp.float32)
+    check(seed, 4, False, q, k, v, {"alibi_slopes": slopes}, {}, cotangents, strategy=strategy,
+          causal_alignment="bottom_right", local_window_size=(30, 2))
+
+
 def refused(T=16, kv_T=None, **kw):
     """context_parallel_attention on 2 devices with these keywords (local blocks of T/2)."""
     mesh = cpu_mesh((2,), ("cp",))
