@@ -69,9 +69,10 @@ def _bwd_abstract_eval(q, k, v, indices, o, lse, do, dlse, *, config):
 
 
 def whole_groups_per_shard(N, K, head_group, shards) -> bool:
-    """Whether heads split `shards` ways leave each device whole GQA groups (query head n uses K/V
-    head n // (N / K)) and whole groups of head_group query heads (attn_dist's sums)."""
-    return K % shards == 0 and (N // head_group) % shards == 0
+    """Whether query heads split `shards` ways leave each device whole GQA groups (query head n uses
+    K/V head n // (N / K)), the K/V heads split alike or, with one K/V head (MQA), replicated, and
+    whole groups of head_group query heads (attn_dist's sums)."""
+    return (K % shards == 0 or K == 1) and N % shards == 0 and (N // head_group) % shards == 0
 
 
 def _dist_abstract_eval(q, k, indices, lse, *, scale, is_causal, bottom_right, head_group):

@@ -11,7 +11,10 @@ keeps sharded is decided from the query's sharding:
   * batch: kept, with no collective in either pass.
   * heads: kept, with no collective, where each device holds whole GQA groups (K divides by the
     head shards, as query head n uses K/V head n // (N / K)) and, for attn_dist, whole groups of
-    head_group query heads (N // head_group divides by the head shards); gathered otherwise.
+    head_group query heads (N // head_group divides by the head shards); gathered otherwise. With
+    one K/V head (MQA, and MLA's shared buffer) the query heads are kept split and K/V, their
+    indices and their gradients replicated: the backward sums dK/dV over the head shards, its one
+    collective.
   * the query and key sequences, topk and the head dims: gathered, since a query's causal limit
     is its position in the whole sequence and its selected keys index the whole key sequence.
 The MLA form (value=None, V the leading columns of key) passes a rank-0 placeholder for v and gets
@@ -19,6 +22,7 @@ one back for dv; both stay replicated.
 """
 from __future__ import annotations
 
+import jax
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import PartitionSpec as P
 
@@ -36,12 +40,21 @@ def _head_group(kind, params):
 
 
 def _plan(kind, mesh, shapes, params, q_sharding):
-    """The mesh axes along which the call stays sharded: (batch, heads)."""
+    """The mesh axes along which the call stays sharded: (batch, query heads, K/V heads); the K/V
+    heads are replicated where one K/V head serves every query head (MQA)."""
     N, K = shapes[0][2], shapes[1][2]
     batch, heads = dim_axes(q_sharding, 4, 0), dim_axes(q_sharding, 4, 2)
-    if not whole_groups_per_shard(N, K, _head_group(kind, params), shard_count(mesh, heads)):
+    shards = shard_count(mesh, heads)
+    if not whole_groups_per_shard(N, K, _head_group(kind, params), shards):
         heads = ()
-    return batch, heads
+    return batch, heads, heads if K % shards == 0 else ()
+
+
+def _kv_indexed(kind):
+    """Positions of the operands and of the results indexed by K/V heads (k, v, indices; dk, dv)."""
+    if kind == _DIST:  # q, k, indices, lse -> dist
+        return (1, 2), ()
+    return (1, 2, 3), ((1, 2) if kind == _BACKWARD else ())
 
 
 def _spec(shape, batch, heads, heads_dim=2):
@@ -55,27 +68,47 @@ def _spec(shape, batch, heads, heads_dim=2):
 
 def _specs(kind, plan, shapes, result_shapes):
     """(operand specs, result specs) of a call that stays sharded along the plan's axes."""
-    operands = [_spec(shape, *plan) for shape in shapes]
+    batch, heads, kv_heads = plan
+    kv_operands, kv_results = _kv_indexed(kind)
+    operands = [_spec(shape, batch, kv_heads if i in kv_operands else heads)
+                for i, shape in enumerate(shapes)]
     heads_dim = 1 if kind == _DIST else 2
-    results = [_spec(shape, *plan, heads_dim) for shape in result_shapes]
+    results = [_spec(shape, batch, kv_heads if i in kv_results else heads, heads_dim)
+               for i, shape in enumerate(result_shapes)]
     return operands, results
 
 
 def _decide(kind, shapes, params, mesh, arg_shapes, result_shape):
     plan = _plan(kind, mesh, shapes, params, arg_shapes[0][0].sharding)
-    return _specs(kind, plan, shapes, [tuple(x.shape) for x in result_shape])
+    return plan, _specs(kind, plan, shapes, [tuple(x.shape) for x in result_shape])
 
 
 def _infer(kind):
     def infer_sharding_from_operands(shapes, params, mesh, arg_shapes, result_shape):
-        return named(mesh, _decide(kind, shapes, params, mesh, arg_shapes, result_shape)[1])
+        return named(mesh, _decide(kind, shapes, params, mesh, arg_shapes, result_shape)[1][1])
     return infer_sharding_from_operands
+
+
+def _lower_fn(kind, kernel, params, plan):
+    _, heads, kv_heads = plan
+    # Replicated K/V heads (MQA) get a share of their gradient from each head shard.
+    sum_over = heads if kind == _BACKWARD and heads and not kv_heads else ()
+
+    @outside_mesh
+    def lower_fn(operands):
+        results = bind_kernel(kernel, operands, params)
+        if not sum_over:
+            return results
+        dq, dk, dv = results
+        return dq, jax.lax.psum(dk, sum_over), dv if dv.ndim == 0 else jax.lax.psum(dv, sum_over)
+    return lower_fn
 
 
 def _partition(kind, kernel):
     def partition(shapes, params, mesh, arg_shapes, result_shape):
-        operand_specs, result_specs = _decide(kind, shapes, params, mesh, arg_shapes, result_shape)
-        lower_fn = outside_mesh(lambda operands: bind_kernel(kernel, operands, params))
+        plan, (operand_specs, result_specs) = _decide(kind, shapes, params, mesh, arg_shapes,
+                                                      result_shape)
+        lower_fn = _lower_fn(kind, kernel, params, plan)
         return mesh, lower_fn, named(mesh, result_specs), (named(mesh, operand_specs),)
     return partition
 

@@ -24,7 +24,10 @@ the global positions of its first query row and key, and applies the window, the
 (and their slope gradient, summed over the calls and devices) and the dropout stream there, so the
 dropout mask is the single-device call's for the same dropout_rng. A call must then cover
 contiguous positions: a ring step of the load-balanced layout is cut into one call per pair of
-chunks, and calls the window leaves empty are skipped.
+chunks, and calls the window leaves empty are skipped. Bottom-right alignment (query i of batch
+element b at key position i + kv_len[b] - q_len[b]) uses the same positions, each batch element's
+query position moved on by kv_len[b] - q_len[b]: a query may then see keys of later blocks, so a
+causal ring computes every step, skipping the calls that no batch element's positions reach.
 """
 from __future__ import annotations
 
@@ -87,8 +90,11 @@ class _Ring:
     implementation: str | None
     window: tuple[int, int] | None = None  # (left, right), both >= 0
     dropout_rate: float = 0.0
-    # Whether the kernels need each piece's global positions (windows, ALiBi, dropout).
+    # Whether the kernels need each piece's global positions (windows, ALiBi, dropout, shift).
     positional: bool = False
+    # Whether queries sit kv_len - q_len (per batch element, _Keywords.shift) after their own
+    # positions: bottom-right alignment where it differs from top-left.
+    shifted: bool = False
 
 
 class _Keywords(NamedTuple):
@@ -103,6 +109,7 @@ class _Keywords(NamedTuple):
     kv_lengths: Optional[jax.Array] = None
     alibi_slopes: Optional[jax.Array] = None   # float32 [1|B, N], differentiable
     dropout_seeds: Optional[jax.Array] = None  # uint32 [B, 3]
+    shift: Optional[jax.Array] = None          # int32 [B]: valid keys minus valid queries
 
 
 def _vary_like(x, ref):
@@ -177,12 +184,24 @@ class _Call(NamedTuple):
     positions: Optional[jax.Array] = None
 
 
-def _calls(ring, kind, T, S, rank, source):
+def _positions(shift, query, key):
+    """int32 [2] (or [B, 2] with a per-batch shift) positions of a call whose first query row and
+    key sit at global positions query and key, the query moved `shift` keys on. Only their
+    difference places masks and ALiBi, so a negative shift moves the key on instead (positions
+    are non-negative)."""
+    if shift is None:
+        return jnp.stack([query, key]).astype(jnp.int32)
+    return jnp.stack([query + jnp.maximum(shift, 0), key + jnp.maximum(-shift, 0)],
+                     axis=-1).astype(jnp.int32)
+
+
+def _calls(ring, kind, T, S, rank, source, shift=None):
     """The kernel calls of one kind of ring step. Without positional features a kind is one call
     (in the load-balanced layout a local top-left causal mask on two chunks is the global one).
     With them each call must cover positions that are contiguous, so a kind is cut into one call
-    per (query chunk, key chunk) pair, each placed at its global positions and masked causally
-    there; a pair causality leaves empty (a query chunk before a key chunk) is dropped."""
+    per (query chunk, key chunk) pair, each placed at its global positions (queries moved on by
+    the per-batch `shift` where bottom-right alignment needs it) and masked causally there; a pair
+    causality leaves empty (a query chunk before a key chunk) is dropped."""
     (r0, r1), (c0, c1), causal = _PIECES[kind]
     rows, cols = (int(r0 * T), int(r1 * T)), (int(c0 * S), int(c1 * S))
     if not ring.positional:
@@ -195,24 +214,29 @@ def _calls(ring, kind, T, S, rank, source):
             first, last = max(cols[0], k_start), min(cols[1], k_start + k_size)
             if lo >= hi or first >= last or (kind == "diagonal" and ki > qi):
                 continue
-            positions = jnp.stack([q_global + lo - q_start, k_global + first - k_start]).astype(jnp.int32)
+            positions = _positions(shift, q_global + lo - q_start, k_global + first - k_start)
             calls.append(_Call((lo, hi), (first, last), ring.causal, positions))
     return calls
 
 
 def _visible(ring, call):
-    """Traced: whether the window (and causality) leaves any pair of the call visible; None where
-    nothing but the call's own masks can empty it."""
-    if ring.window is None or call.positions is None:
+    """Traced: whether the window (and causality) leaves any pair of the call visible, for some
+    batch element; None where nothing but the call's own masks can empty it (causality alone
+    empties only pairs _calls already dropped, unless queries are shifted)."""
+    if call.positions is None or (ring.window is None and not (ring.causal and ring.shifted)):
         return None
-    left, right = ring.window
-    if ring.causal:
-        right = min(right, 0)
+    left, right = ring.window if ring.window is not None else (None, None)
+    if call.causal:
+        right = 0 if right is None else min(right, 0)
     rows, cols = call.rows[1] - call.rows[0], call.cols[1] - call.cols[0]
     # key position minus query position over the call spans [lowest, highest]
-    lowest = call.positions[1] - call.positions[0] - (rows - 1)
-    highest = call.positions[1] + cols - 1 - call.positions[0]
-    return (lowest <= right) & (highest >= -left)
+    first_query, first_key = call.positions[..., 0], call.positions[..., 1]
+    lowest = first_key - first_query - (rows - 1)
+    highest = first_key + cols - 1 - first_query
+    seen = lowest <= right
+    if left is not None:
+        seen &= highest >= -left
+    return jnp.any(seen)
 
 
 def _when_visible(ring, call, compute, empty):
@@ -262,7 +286,7 @@ def _forward_kind(ring, kind, q, k, v, kw, kv_ids, rank, source):
     if kind == "skip":
         return _unseen(q, Hv)
     result = None
-    for call in _calls(ring, kind, T, k.shape[1], rank, source):
+    for call in _calls(ring, kind, T, k.shape[1], rank, source, kw.shift):
         (r0, r1), (c0, c1) = call.rows, call.cols
 
         def compute(call=call, r0=r0, r1=r1, c0=c0, c1=c1):
@@ -299,7 +323,7 @@ def _backward_kind(ring, kind, q, k, v, o, lse, do, dlse, kw, kv_ids, rank, sour
     total = nothing()
     if kind == "skip":
         return total
-    for call in _calls(ring, kind, T, S, rank, source):
+    for call in _calls(ring, kind, T, S, rank, source, kw.shift):
         (r0, r1), (c0, c1) = call.rows, call.cols
 
         def compute(call=call, r0=r0, r1=r1, c0=c0, c1=c1):
@@ -332,7 +356,7 @@ def _step_kind(ring, step, rank):
     """What step `step` of the ring computes on device `rank` (traced): a static kind for steps
     every device treats alike, else (kind if the block comes from an earlier device, kind if
     from a later one) with the traced condition."""
-    if not ring.causal:
+    if not ring.causal or ring.shifted:  # shifted queries may see any block: the calls' masks decide
         return "full"
     if step == 0:
         return "diagonal"
@@ -452,7 +476,7 @@ def _all_gather_attention(q, k, v, kw, ring):
     outs, lses = [], []
     for start, size, global_start in _chunks(ring, rank, T):
         rows = (start, start + size)
-        positions = (jnp.stack([global_start, 0]).astype(jnp.int32) if needs_positions else None)
+        positions = _positions(kw.shift, global_start, 0) if needs_positions else None
         config, extras = _options_for(
             ring, (q.shape[0], size) + q.shape[2:], S_all, ring.causal, kw, positions,
             bias=_cut(bias, rows, (0, S_all), 0), mask=_cut(mask, rows, (0, S_all), 0),
@@ -491,6 +515,15 @@ def _check(query, key, value, axis_name, strategy, is_causal, load_balanced):
         raise ValueError(f"load_balanced=True holds two sequence chunks per device, so the local "
                          f"length must be even: query {query.shape}")
     return n
+
+
+def _shift(local, B, T_total, S_total):
+    """int32 [B]: the global valid keys minus the global valid queries, by which bottom-right
+    alignment moves each batch element's queries along the keys."""
+    def valid(lengths, total):
+        return jnp.full((B,), total, jnp.int32) if lengths is None else jnp.clip(lengths, 0, total)
+    return (valid(local.key_value_seq_lengths, S_total) -
+            valid(local.query_seq_lengths, T_total)).astype(jnp.int32)
 
 
 def _pairwise(x, name, query, key, n):
@@ -535,8 +568,7 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
       axis_name: the shard_map axis the sequence is split over.
       strategy: 'ring' (K/V blocks passed around with ppermute; O(S/n) memory) or 'all_gather'
         (K/V gathered once; cheaper when K/V are small, as with GQA).
-      is_causal: causal attention over the global sequence (T = S; both alignments agree, except
-        with lengths, see below).
+      is_causal: causal attention over the global sequence (T = S per device).
       bias, mask: float / boolean, broadcastable to [B, N, T/n, S]: this device's query rows
         (sharded like the queries, in their layout) against every key of the global sequence
         (the key axis is not sharded), the keys in the order of the arrays passed, i.e. the
@@ -547,19 +579,20 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
         unpack().
       query_seq_lengths, key_value_seq_lengths: int32 [B], the global valid lengths (padding at
         the end of the global sequence, whatever the layout), the same on every device.
-        With is_causal=True they need causal_alignment='top_left': bottom-right alignment moves
-        the diagonal with the valid lengths, which no per-block call expresses, so that
-        combination raises a ValueError (with equal query and key lengths both alignments agree).
       local_window_size, alibi_slopes (differentiable; [N] or [B, N], the same on every
       device), dropout_rate, dropout_rng: as in flash_attention, at global positions: every
       kernel call is told where its first query row and key sit in the global sequence, so
       windows, ALiBi and the dropout mask are those of the single-device call (the same
-      dropout_rng gives the same mask). A window or ALiBi with causal_alignment='bottom_right'
-      needs T = S per device and no lengths (where both alignments agree). Dropout with the ring
+      dropout_rng gives the same mask). Dropout with the ring
       needs the devices' key chunks (S/n, or S/2n load-balanced) to be multiples of 4, as the
       dropout stream draws 4 neighbouring keys at once; all_gather has no such limit.
+      causal_alignment: as in flash_attention, with the global valid lengths: 'bottom_right'
+        places query i at key position i + kv_len - q_len for the causal mask, the window and
+        ALiBi, which each call gets through its positions. Dropout draws its mask at those
+        positions, so it cannot join bottom-right alignment where that differs from top-left
+        (lengths given, or T != S per device, with causality, a window or ALiBi): ValueError.
       scale, return_lse, q_segment_ids, kv_segment_ids (packed documents may span devices),
-      softcap, causal_alignment, deterministic, implementation: as in flash_attention.
+      softcap, deterministic, implementation: as in flash_attention.
 
     Returns:
       out [B, T/n, N, Hv], or (out, lse) with lse float32 [B, T/n, N].
@@ -571,12 +604,6 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
     given_lengths = [name for name, x in (("query_seq_lengths", query_seq_lengths),
                                           ("key_value_seq_lengths", key_value_seq_lengths))
                      if x is not None]
-    if is_causal and causal_alignment == "bottom_right" and given_lengths:
-        raise ValueError(f"context_parallel_attention: is_causal=True with "
-                         f"causal_alignment='bottom_right' and {' and '.join(given_lengths)} "
-                         "places each query at its position plus the difference of the valid "
-                         "lengths, which per-block calls cannot express; use "
-                         "causal_alignment='top_left' (the same when the lengths are equal)")
     scale = _validate.check_scale(scale, query.shape[-1])
     implementation = _validate.check_implementation(implementation)
     # Validates the remaining keywords, segment ids and lengths on the local block.
@@ -589,13 +616,22 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
     window = None if config.window_left < 0 else (config.window_left, config.window_right)
     T, S = query.shape[1], key.shape[1]
     balanced = bool(load_balanced and is_causal)
-    aligned = [name for name, x in (("local_window_size", window), ("alibi_slopes", alibi_slopes))
-               if x is not None]
-    if causal_alignment == "bottom_right" and aligned and (T != S or given_lengths):
-        raise ValueError(f"context_parallel_attention: {' and '.join(aligned)} with "
-                         f"causal_alignment='bottom_right' needs as many queries as keys per device "
-                         f"(got {T} and {S}) and no valid lengths (got {given_lengths or 'none'}): "
-                         "only then do both alignments place queries alike; use 'top_left'")
+    # Bottom-right alignment moves query i of batch element b to key position i + kv_len[b] -
+    # q_len[b]; it differs from top-left only with lengths or T != S, and matters only to what
+    # sees positions.
+    aligned = [name for name, x in (("is_causal", is_causal or None), ("local_window_size", window),
+                                    ("alibi_slopes", alibi_slopes)) if x is not None]
+    shifted = bool(causal_alignment == "bottom_right" and aligned and (T != S or given_lengths))
+    if shifted and config.dropout_rate:
+        # The dropout stream draws at the positions each call is given, so they cannot also
+        # carry the shift, and no per-block lengths keep the global kv_len - q_len.
+        raise ValueError(
+            f"context_parallel_attention: dropout_rate={config.dropout_rate} with "
+            f"causal_alignment='bottom_right', {' and '.join(aligned)} and "
+            f"{' and '.join(given_lengths) or f'{T} queries against {S} keys per device'} "
+            "is not supported: each call's positions must be the dropout stream's own "
+            "coordinates, so they cannot also move the queries by key length - query length; "
+            "use causal_alignment='top_left' or no dropout")
     key_chunk = S // 2 if balanced else S
     if config.dropout_rate and strategy == "ring" and (balanced or n > 1) and key_chunk % 4:
         raise ValueError(f"context_parallel_attention: dropout_rate={config.dropout_rate} with "
@@ -605,7 +641,8 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
                          "strategy='all_gather' or a sequence length that divides accordingly")
     kw = _Keywords(local.q_segment_ids, local.kv_segment_ids, _pairwise(bias, "bias", query, key, n),
                    _pairwise(mask, "mask", query, key, n), local.query_seq_lengths,
-                   local.key_value_seq_lengths, local.alibi_slopes, local.dropout_seeds)
+                   local.key_value_seq_lengths, local.alibi_slopes, local.dropout_seeds,
+                   _shift(local, query.shape[0], n * T, n * S) if shifted else None)
     if scale < 0:  # as in flash_attention: the kernels stabilise by the largest logit
         query, scale = -query, -scale
     elif scale == 0:
@@ -613,7 +650,8 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
     ring = _Ring(axis_name, n, bool(is_causal), balanced, scale,
                  None if softcap is None else float(softcap), bool(deterministic), implementation,
                  window, config.dropout_rate,
-                 window is not None or alibi_slopes is not None or config.dropout_rate > 0)
+                 window is not None or alibi_slopes is not None or config.dropout_rate > 0 or shifted,
+                 shifted)
     query, key, value, kw = vary_together(query, key, value, kw)
     if strategy == "ring":
         out, lse = _ring_attention(query, key, value, kw, ring)

@@ -23,17 +23,17 @@ The pack-mask primitive (jax_flashattn.pack_mask) is partitioned the same way: e
 its batch and head slices of the mask, with no collective; T and S stay whole.
 
 Query offsets. A device holding queries [o, o + T_local) is given q_len' = clip(Lq - o, 0,
-T_local) where the call has query lengths. Calls that place query i at key position i (top-left
-alignment, or bottom-right with T = S and no lengths) pass the kernels the positions (o, 0) of
-their first query and key (jfa::MaskParams::positions): causality, windows, ALiBi and the dropout
-stream then see the global positions, with nothing else changed. Other bottom-right calls place
-query i at key position i + kv_len - q_len (valid lengths per batch element), so the device is
-given kv_len' = Lk - Lq + o + q_len', which puts its query i at global position o + i + Lk - Lq;
-kv_len' also hides the keys past it, which only changes nothing when no query sees keys after its
-own position (causal calls, or windows with no right reach), and the dropout stream's query
-coordinates would be local: those calls with dropout keep the query sequence whole. Calls without
-positions (no causal mask, window, ALiBi or dropout) only need q_len'. Dropout draws its mask from
-the local head index, so with dropout the heads stay whole.
+T_local) where the call has query lengths, and, where anything sees positions (a causal mask, a
+window, ALiBi, dropout), the positions of its first query and key (jfa::MaskParams::positions),
+with the call made top-left. Calls that place query i at key position i (top-left alignment, or
+bottom-right with T = S and no lengths) get (o, 0): causality, windows, ALiBi and the dropout
+stream then see the global positions. Other bottom-right calls place query i of batch element b
+at key position i + Lk[b] - Lq[b] (valid lengths, clipped to S and T), so the device gets the
+per-batch positions (o + d, 0) with d = Lk - Lq, or (o, -d) where d is negative (positions are
+non-negative and only their difference places masks and ALiBi): exact for every mask and window.
+Dropout draws its stream at the positions themselves, so bottom-right calls with a shift and
+dropout keep the query sequence whole. Dropout draws its mask from the local head index, so with
+dropout the heads stay whole.
 """
 from __future__ import annotations
 
@@ -65,12 +65,14 @@ def _uses_positions(config, has_slopes) -> bool:
             or has_slopes)
 
 
-def _top_left(config, shapes) -> bool:
-    """Whether the call places query i at key position i: top-left alignment, or bottom-right
-    with T == S and no valid lengths (`shapes` are the operands' shapes)."""
+def _shifted(config, shapes) -> bool:
+    """Whether the call places query i of batch element b at key position i + kv_len[b] -
+    q_len[b] rather than i, and something sees it: bottom-right alignment with valid lengths or
+    T != S, and a causal mask, a window or ALiBi (`shapes` are the operands' shapes)."""
     extras = shapes[-_NUM_EXTRAS:]
-    no_lengths = not extras[_FIELD["query_seq_lengths"]] and not extras[_FIELD["key_value_seq_lengths"]]
-    return not config.bottom_right or (shapes[0][1] == shapes[1][1] and no_lengths)
+    lengths = extras[_FIELD["query_seq_lengths"]] or extras[_FIELD["key_value_seq_lengths"]]
+    return (config.bottom_right and (shapes[0][1] != shapes[1][1] or bool(lengths))
+            and _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0))
 
 
 def _query_offsets_supported(config, shapes) -> bool:
@@ -79,16 +81,9 @@ def _query_offsets_supported(config, shapes) -> bool:
     extras = shapes[-_NUM_EXTRAS:]
     if extras[_FIELD["mask_bits"]] or extras[_FIELD["positions"]]:
         return False
-    if _top_left(config, shapes):
-        return True
-    if config.dropout_rate:
-        return False
-    if not _uses_positions(config, len(extras[_FIELD["alibi_slopes"]]) > 0):
-        return True
-    if not (config.is_causal or config.window_right == 0):
-        return False
-    T, S = shapes[0][1], shapes[1][1]
-    return config.bottom_right or (len(extras[_FIELD["key_value_seq_lengths"]]) == 0 and T <= S)
+    # The dropout stream draws at the positions the device is given, which then cannot also
+    # carry the shift of bottom-right alignment.
+    return not (config.dropout_rate and _shifted(config, shapes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +166,7 @@ def _broadcast_axes(plan, shape, full):
 
 # ---- Per-device computation ------------------------------------------------------------------
 
-def _offset_queries(operands, config, query_axes, total_queries, top_left):
+def _offset_queries(operands, config, query_axes, total_queries, shifted):
     """The operands and config that make this device's queries sit at their global positions
     (module docstring, 'Query offsets')."""
     q, k = operands[0], operands[1]
@@ -187,26 +182,23 @@ def _offset_queries(operands, config, query_axes, total_queries, top_left):
         extras[_FIELD["query_seq_lengths"]] = local_q
     if not _uses_positions(config, extras[_FIELD["alibi_slopes"]].ndim != 0) and not config.dropout_rate:
         return list(operands[:-_NUM_EXTRAS]) + extras, config
-    if top_left:
-        first = jnp.stack([start, 0]).astype(jnp.int32)
-        extras[_FIELD["positions"]] = jnp.broadcast_to(first, (B, 2))
-        return list(operands[:-_NUM_EXTRAS]) + extras, dataclasses.replace(config, bottom_right=False)
-    base = 0
-    if config.bottom_right:
+    shift = 0
+    if shifted:
         Lk = jnp.clip(kv_lengths, 0, S) if kv_lengths.ndim != 0 else S
-        base = Lk - Lq
-    extras[_FIELD["query_seq_lengths"]] = local_q
-    extras[_FIELD["key_value_seq_lengths"]] = jnp.clip(base + start + local_q, 0, S).astype(jnp.int32)
-    config = dataclasses.replace(config, bottom_right=True)
-    return list(operands[:-_NUM_EXTRAS]) + extras, config
+        shift = Lk - Lq
+    # Only the difference of the positions places masks and ALiBi, so a negative shift moves the
+    # key position on instead (positions are non-negative).
+    first = jnp.stack([start + jnp.maximum(shift, 0), jnp.maximum(-shift, 0)], axis=-1)
+    extras[_FIELD["positions"]] = jnp.broadcast_to(first, (B, 2)).astype(jnp.int32)
+    return list(operands[:-_NUM_EXTRAS]) + extras, dataclasses.replace(config, bottom_right=False)
 
 
-def _forward_shard(plan, scale, config, implementation, total_queries, top_left):
+def _forward_shard(plan, scale, config, implementation, total_queries, shifted):
     @outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
-            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, top_left)
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, shifted)
         return tuple(attention_fwd_kernel_p.bind(*operands, scale=scale, config=cfg,
                                                  implementation=implementation))
     return lower_fn
@@ -215,13 +207,13 @@ def _forward_shard(plan, scale, config, implementation, total_queries, top_left)
 def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
     B, T, N = shapes[0][:3]
     bias_shape = shapes[_BWD_TENSORS]
-    top_left = _top_left(config, shapes)
+    shifted = _shifted(config, shapes)
 
     @outside_mesh
     def lower_fn(operands):
         operands, cfg = list(operands), config
         if plan.query:
-            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, top_left)
+            operands, cfg = _offset_queries(operands, config, plan.query, total_queries, shifted)
         dq, dk, dv, dbias, dslopes = attention_bwd_kernel_p.bind(
             *operands, scale=scale, config=cfg, implementation=implementation)
         if plan.query:  # each query block holds a share of every key's gradient
@@ -262,7 +254,7 @@ def _partition(backward):
             lower_fn = _backward_shard(plan, scale, config, implementation, total_queries, shapes)
         else:
             lower_fn = _forward_shard(plan, scale, config, implementation, total_queries,
-                                      _top_left(config, shapes))
+                                      _shifted(config, shapes))
         args = (named(mesh, _operand_specs(plan, shapes, backward)),)
         return mesh, lower_fn, named(mesh, _result_specs(plan, shapes, backward)), args
     return partition

@@ -167,12 +167,6 @@ def refused(**kw):
     return f(q, k, v)
 
 
-@pytest.mark.parametrize("lengths", ["query_seq_lengths", "key_value_seq_lengths"])
-def test_causal_bottom_right_with_lengths_is_refused(lengths):
-    with pytest.raises(ValueError, match=f"bottom_right.*{lengths}.*top_left"):
-        refused(is_causal=True, causal_alignment="bottom_right", **{lengths: jnp.full(2, 5, jnp.int32)})
-
-
 def test_bad_bias_mask_and_lengths_name_the_argument():
     with pytest.raises(ValueError, match=r"bias of shape \(2, 4, 8, 8\).*\(2, 4, 8, 16\)"):
         refused(bias=jnp.zeros((2, 4, 8, 8)))  # the key axis must hold every key

@@ -2,7 +2,8 @@
 call's global positions: outputs, LSE and the gradients of q, k, v, the ALiBi slopes and the bias
 equal flash_attention on the whole sequence on one device (dropout: the same dropout_rng gives the
 same mask), for both strategies, causal (load-balanced or in sequence order) and not, with GQA,
-on 2, 4 and 8 devices; and the combinations it refuses."""
+on 2, 4 and 8 devices; bottom-right alignment with lengths, through per-batch positions; and the
+combinations it refuses."""
 from __future__ import annotations
 
 import jax
@@ -166,10 +167,55 @@ def test_everything_together(strategy, n, check_vma):
           is_causal=True, local_window_size=(50, 0), dropout_rate=0.2, softcap=4.0)
 
 
-def refused(T=16, **kw):
+# Bottom-right alignment with lengths: query i of batch element b sits at key position
+# i + kv_len[b] - q_len[b]. On 4 devices of 16 rows (chunks of 8), batch element 0 moves its queries
+# 37 keys back (past two devices' blocks), batch element 1 moves them 29 keys on (into later
+# devices' blocks, which top-left causality would skip).
+BOTTOM_RIGHT = {
+    "causal": dict(is_causal=True),
+    "causal-window-alibi": dict(is_causal=True, local_window_size=(21, 0), alibi_slopes=True),
+    "window-alibi": dict(local_window_size=(9, 6), alibi_slopes=True),
+}
+
+
+@pytest.mark.parametrize("case,layout,strategy", [
+    ("causal", "causal-balanced", "ring"), ("causal", "causal-sequence", "ring"),
+    ("causal", "causal-balanced", "all_gather"), ("causal", "causal-sequence", "all_gather"),
+    ("causal-window-alibi", "causal-balanced", "ring"),
+    ("causal-window-alibi", "causal-balanced", "all_gather"),
+    ("window-alibi", "full-sequence", "ring"), ("window-alibi", "full-sequence", "all_gather")])
+def test_bottom_right_alignment_with_lengths(case, layout, strategy):
+    seed = fresh_seed()
+    T = 64
+    q, k, v, rng, cotangents = problem(seed, T)
+    static = dict(BOTTOM_RIGHT[case])
+    diff = {}
+    if static.pop("alibi_slopes", False):
+        diff["alibi_slopes"] = jnp.asarray(rng.uniform(0.02, 0.5, (B, N)), jnp.float32)
+    other = {"query_seq_lengths": jnp.asarray([T - 2, 30], jnp.int32),
+             "key_value_seq_lengths": jnp.asarray([T - 39, T - 5], jnp.int32)}
+    balanced = LAYOUTS[layout][1]
+    check(seed, 4, balanced, q, k, v, diff, other, cotangents, strategy=strategy,
+          causal_alignment="bottom_right", **static)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bottom_right_alignment_with_more_keys_than_queries(strategy):
+    # 48 queries against 96 keys: bottom-right alignment moves every query 48 keys on.
+    seed = fresh_seed()
+    q, k, v = random_qkv(seed, B, 48, 96, N, K, H)
+    rng = np.random.default_rng(seed)
+    cotangents = (jnp.asarray(rng.normal(size=q.shape), jnp.float32),
+                  jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32))
+    slopes = jnp.asarray(rng.uniform(0.02, 0.5, (N,)), jnp.float32)
+    check(seed, 4, False, q, k, v, {"alibi_slopes": slopes}, {}, cotangents, strategy=strategy,
+          causal_alignment="bottom_right", local_window_size=(30, 2))
+
+
+def refused(T=16, kv_T=None, **kw):
     """context_parallel_attention on 2 devices with these keywords (local blocks of T/2)."""
     mesh = cpu_mesh((2,), ("cp",))
-    q, k, v = random_qkv(0, B, T, T, N, K, 8)
+    q, k, v = random_qkv(0, B, T, kv_T or T, N, K, 8)
     f = jax.shard_map(lambda q, k, v: jfa.context_parallel_attention(q, k, v, axis_name="cp", **kw),
                       mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
     return jax.jit(f)(q, k, v)
@@ -185,12 +231,15 @@ def test_ring_dropout_needs_key_chunks_of_multiples_of_4():
     refused(T=24, is_causal=True, dropout_rate=0.1, dropout_rng=rng, strategy="all_gather")
 
 
-def test_bottom_right_window_or_alibi_with_lengths_is_refused():
-    with pytest.raises(ValueError, match=r"local_window_size with causal_alignment='bottom_right'"):
-        refused(local_window_size=3, causal_alignment="bottom_right",
+def test_bottom_right_alignment_with_lengths_refuses_dropout():
+    rng = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"dropout_rate=0.1 with causal_alignment='bottom_right', "
+                                         r"is_causal and key_value_seq_lengths .*top_left"):
+        refused(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.1, dropout_rng=rng,
                 key_value_seq_lengths=jnp.full(B, 5, jnp.int32))
-    with pytest.raises(ValueError, match=r"alibi_slopes with .*bottom_right"):
-        refused(alibi_slopes=jnp.ones(N), causal_alignment="bottom_right",
-                query_seq_lengths=jnp.full(B, 5, jnp.int32))
+    with pytest.raises(ValueError, match=r"local_window_size and alibi_slopes and 8 queries "
+                                         r"against 4 keys per device"):
+        refused(local_window_size=3, alibi_slopes=jnp.ones(N), causal_alignment="bottom_right",
+                dropout_rate=0.1, dropout_rng=rng, kv_T=8)
     with pytest.raises(ValueError, match="local_window_size"):
         refused(local_window_size=-2)

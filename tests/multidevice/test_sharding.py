@@ -88,6 +88,10 @@ OFFSET_CASES = {
     "causal-window-alibi": dict(is_causal=True, local_window_size=(5, 0), alibi_slopes="slopes"),
     "bottom-right-lengths": dict(is_causal=True, causal_alignment="bottom_right",
                                  query_seq_lengths="q_lengths", key_value_seq_lengths="kv_lengths"),
+    # Through per-batch positions moved on by kv_len - q_len (negative for batch element 1).
+    "bottom-right-lengths-two-sided-window-alibi": dict(
+        causal_alignment="bottom_right", local_window_size=(3, 4), alibi_slopes="slopes",
+        query_seq_lengths="q_lengths", key_value_seq_lengths="kv_lengths"),
     "top-left-q-lengths-segments": dict(is_causal=True, query_seq_lengths="q_lengths",
                                         q_segment_ids="q_ids", kv_segment_ids="kv_ids"),
     "right-less-window-softcap": dict(local_window_size=(7, 0), softcap=3.0),
@@ -106,7 +110,7 @@ def keyword_arrays(seed, B, T, S, N):
     rng = np.random.default_rng(seed)
     return {
         "slopes": jnp.asarray(rng.uniform(0.05, 0.5, (N,)), jnp.float32),
-        "q_lengths": jnp.asarray([T - 5, T // 2 + 3, T, 0][:B], jnp.int32),
+        "q_lengths": jnp.asarray([T - 5, T - 2, T, 0][:B], jnp.int32),
         "kv_lengths": jnp.asarray([S - 3, S // 2, S, 7][:B], jnp.int32),
         "q_ids": jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32),
         "kv_ids": jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32),
@@ -180,8 +184,6 @@ def test_explicit_mesh_axes_keep_the_query_sequence_sharded():
 
 
 FALLBACK_CASES = {  # query positions a device cannot offset: gathered, still exact
-    "bottom-right-lengths-two-sided-window": dict(causal_alignment="bottom_right", local_window_size=(3, 4),
-                                                  key_value_seq_lengths="kv_lengths"),
     "bottom-right-lengths-dropout": dict(is_causal=True, causal_alignment="bottom_right",
                                          key_value_seq_lengths="kv_lengths", dropout_rate=0.3,
                                          dropout_rng=jax.random.key(3)),

@@ -1,6 +1,7 @@
 """sparse_attention and attn_dist on sharded operands: under jax.jit, values and gradients equal the
 unsharded call; batch and head sharding (whole GQA groups and attn_dist head groups per device)
-compile to programs without collectives whose outputs and gradients keep the operands' sharding;
+compile to programs without collectives whose outputs and gradients keep the operands' sharding,
+and so does a single K/V head (MQA, MLA) with the query heads split, save the dK/dV sum;
 shardings the kernels cannot keep (sequences, topk, head dims, heads that would split a group)
 are gathered and still exact; and jax.grad inside shard_map (check_vma=True) matches."""
 from __future__ import annotations
@@ -116,6 +117,43 @@ def test_shared_value_buffer_keeps_the_sharding(shardy):
         sharded = jax.jit(f)(*args)
     check_equal(sharded, jax.jit(f)(q, k, indices, do, dlse), seed)
     assert_sharded_like(sharded[1][1], mesh, spec)
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("value", ["separate", "shared"])
+def test_one_key_value_head_keeps_the_query_heads_split(value, shardy):
+    """MQA (K = 1) and MLA's shared buffer: the query heads stay split and K/V, the indices and
+    their gradients are replicated; the backward's one collective sums dK/dV over the head shards."""
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    seed = fresh_seed()
+    q, k, v, indices, do, dlse = problem(seed, N=16, K=1)
+    spec, kv_spec = P("x", None, "y"), P("x")
+    kw = dict(is_causal=True)
+    if value == "shared":
+        v, kw = None, dict(kw, value_head_dim=do.shape[-1])
+    args = [put(mesh, q, spec), put(mesh, k, kv_spec), None if v is None else put(mesh, v, kv_spec),
+            put(mesh, indices, kv_spec), put(mesh, do, spec), put(mesh, dlse, P(*spec[:3]))]
+
+    def f(q, k, v, indices, do, dlse):
+        return forward_and_grads(q, k, v, indices, do, dlse, **kw)
+
+    def forward(q, k, v, indices):
+        return jfa.sparse_attention(q, k, v, indices, return_lse=True, **kw)
+
+    with partitioner(shardy):
+        assert collectives(forward, *args[:4]) == []
+        assert collectives(f, *args) == ["all-reduce"]
+        (out, lse), grads = jax.jit(f)(*args)
+        assert collectives(distribution, args[0], args[1], args[3], lse) == []
+        dist = jax.jit(distribution)(args[0], args[1], args[3], lse)
+    (r_out, r_lse), r_grads = jax.jit(f)(q, k, v, indices, do, dlse)
+    check_equal((out, lse, grads, dist),
+                (r_out, r_lse, r_grads, jax.jit(distribution)(q, k, indices, r_lse)), seed)
+    assert_sharded_like(out, mesh, spec)
+    assert_sharded_like(grads[0], mesh, spec)
+    for g in grads[1:]:
+        assert_sharded_like(g, mesh, kv_spec)
+    assert_sharded_like(dist, mesh, P("x", "y"))
 
 
 def test_explicit_mesh_axes_keep_batch_and_heads():
