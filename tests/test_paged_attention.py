@@ -155,8 +155,10 @@ def test_jit_with_traced_tables_and_bad_ids():
     table[1, 2:] = 2**30
     fn = jax.jit(lambda q, k, v, t, n: jfa.paged_attention(q, k, v, t, n, is_causal=True))
     assert rel_err(fn(q, kc, vc, table, lengths), want) <= 1e-5, f"seed {seed}"
-    table[0, 0] = -7  # a used page out of range: clamped to page 0, read in bounds
-    assert np.all(np.isfinite(np.asarray(fn(q, np.nan_to_num(kc), np.nan_to_num(vc), table, lengths))))
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    for bad_id in (-7, kc.shape[0], 2**30):  # a used page out of range: clamped into the pool
+        table[0, 0] = bad_id
+        assert np.all(np.isfinite(np.asarray(fn(q, kc, vc, table, lengths)))), bad_id
 
 
 def test_vmap_over_an_extra_batch_axis():
