@@ -17,7 +17,7 @@ from util import fresh_seed, rel_err
 H = 16
 
 
-def make_cache(seed, B, T, N, K, page_size, lengths, max_pages, spare_pages=3):
+def make_cache(seed, B, T, N, K, page_size, lengths, max_pages, spare_pages=3, head_dim=H):
     """(q, key_cache, value_cache, block_table, lengths): the sequences' pages are a random
     permutation of the pool; pages no sequence uses, rows past each length and block_table entries
     past the used pages are garbage (NaN rows, out-of-range ids)."""
@@ -25,9 +25,9 @@ def make_cache(seed, B, T, N, K, page_size, lengths, max_pages, spare_pages=3):
     lengths = np.asarray(lengths, np.int32)
     used = -(-lengths // page_size)
     num_pages = int(used.sum()) + spare_pages
-    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    kc = rng.standard_normal((num_pages, page_size, K, H)).astype(np.float32)
-    vc = rng.standard_normal((num_pages, page_size, K, H)).astype(np.float32)
+    q = rng.standard_normal((B, T, N, head_dim)).astype(np.float32)
+    kc = rng.standard_normal((num_pages, page_size, K, head_dim)).astype(np.float32)
+    vc = rng.standard_normal((num_pages, page_size, K, head_dim)).astype(np.float32)
     order = rng.permutation(num_pages)
     table = rng.integers(-5, num_pages + 5, (B, max_pages)).astype(np.int32)  # garbage ids
     start = 0
@@ -198,6 +198,19 @@ def test_decode_calls_reach_the_split_path(monkeypatch):
     assert paged.gathered_pages(10, 128) == 10  # 1280 rows split in two as they are
     assert paged.gathered_pages(9, 128) == 12  # 1152 rows do not split, 1536 do
     assert paged.gathered_pages(11, 100) == 11  # no multiple of 512 is a whole number of pages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_on_gpu(T):
+    """On a GPU the call takes the split-KV path (bf16 against the float32 reference)."""
+    seed = fresh_seed()
+    q, kc, vc, table, lengths = make_cache(seed, 3, T, 8, 2, 64, [1088, 700, 64], 17, head_dim=64)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = reference(q, kc, vc, table, lengths, is_causal=True)[0]
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    got = jfa.paged_attention(bf16(q), bf16(kc), bf16(vc), table, lengths, is_causal=True)
+    assert rel_err(got, want) < 2e-2, f"seed {seed}: {rel_err(got, want)}"
 
 
 def test_page_size_is_inferred_and_checked():
