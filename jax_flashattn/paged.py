@@ -127,7 +127,8 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lengths, *, 
       page_size: optional static int, checked against the caches' second axis.
       scale, is_causal, causal_alignment, local_window_size, softcap, alibi_slopes, return_lse,
       implementation, deterministic: as in flash_attention; positions count from the sequence's
-        first cached row, so query i sits at position seq_lengths[b] - T + i.
+        first cached row, so query i sits at position seq_lengths[b] - T + i (bottom-right, the
+        default; top-left puts it at i).
 
     Returns:
       out [B, T, N, Hv] in the query dtype, or (out, lse) with return_lse=True.
