@@ -9,9 +9,12 @@ bottom-right causal (the T queries are the cache's last positions). jax.nn gets 
 call: no mask for T = 1 (the query sees the whole cache), else the bottom-right causal mask as a
 boolean [1, 1, T, S]. Impls: jax_flashattn (the default dispatch, which splits the keys for such
 calls: jax_flashattn/decode.py), jax_flashattn_nosplit (JFA_DECODE_SPLIT=0 while it is traced),
-cudnn and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
+jax_flashattn_paged64 and jax_flashattn_paged256 (paged_attention over the same cache cut into pages
+of 64 or 256 rows in shuffled order, every row valid: the contiguous call plus the gather), cudnn
+and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
 block_until_ready; the median per-call time over `--rounds` rounds, the rounds of one row
-alternating between the implementations. Rate: bytes of K and V read per second.
+alternating between the implementations. Rate: bytes of K and V read per second (the paged rows
+too: their gather's extra traffic is not counted).
 Writes benchmarks/results/<date>-<device>-decode.csv.
 """
 from __future__ import annotations
@@ -30,14 +33,32 @@ import numpy as np
 import jax_flashattn as jfa
 
 ROWS = [(8, 1, 8192), (8, 1, 32768), (8, 16, 32768), (1, 1, 131072), (32, 1, 8192), (8, 4, 16384)]
-IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "cudnn", "xla"]
+IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged64", "jax_flashattn_paged256",
+         "cudnn", "xla"]
 
 
-def make_fn(impl, T, S):
+def paged(k, v, page_size, seed):
+    """The [B, S, K, H] cache as a shuffled pool of pages, its block table and lengths."""
+    B, S = k.shape[:2]
+    pages = B * (S // page_size)
+    slot = np.random.default_rng(seed).permutation(pages)  # the pool slot of each page, in cache order
+    pool = lambda x: x.reshape((pages, page_size) + x.shape[2:])[np.argsort(slot)]  # noqa: E731
+    return pool(k), pool(v), jnp.asarray(slot.reshape(B, -1), jnp.int32), jnp.full((B,), S, jnp.int32)
+
+
+def make_fn(impl, T, S, q, k, v):
+    """(jitted function, its arguments)."""
+    if impl.startswith("jax_flashattn_paged"):
+        fn = jax.jit(lambda q, kp, vp, table, lengths: jfa.paged_attention(q, kp, vp, table, lengths,
+                                                                        is_causal=True))
+        return fn, (q,) + paged(k, v, int(impl[len("jax_flashattn_paged"):]), S)
     if impl.startswith("jax_flashattn"):
-        return jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right"))
+        fn = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True,
+                                                          causal_alignment="bottom_right"))
+        return fn, (q, k, v)
     mask = None if T == 1 else (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T)[None, None]
-    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl))
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl))
+    return fn, (q, k, v)
 
 
 def timed(fn, args, calls):
@@ -59,7 +80,8 @@ def main():
     N, K, H = (4, 2, 32) if a.cpu_smoke else (32, 8, 128)
     dtype = jnp.float32 if a.cpu_smoke else jnp.bfloat16
     rows = [(2, 1, 1024)] if a.cpu_smoke else ROWS
-    impls = ["jax_flashattn", "xla"] if a.cpu_smoke else a.impls.split(",")
+    impls = ["jax_flashattn", "jax_flashattn_paged64", "jax_flashattn_paged256", "xla"] if a.cpu_smoke \
+        else a.impls.split(",")
     device = jax.devices()[0].device_kind.replace(" ", "-").lower()
     out_path = Path(a.out or Path(__file__).parent / "results" /
                     f"{datetime.date.today()}-{device}-decode.csv")
@@ -73,17 +95,17 @@ def main():
         for impl in impls:
             os.environ["JFA_DECODE_SPLIT"] = "0" if impl == "jax_flashattn_nosplit" else "1"
             try:
-                fns[impl] = make_fn(impl, T, S)
+                fns[impl] = make_fn(impl, T, S, q, k, v)
                 for _ in range(2):
-                    jax.block_until_ready(fns[impl](q, k, v))
+                    jax.block_until_ready(fns[impl][0](*fns[impl][1]))
             except Exception as e:  # a peer that does not take the shape
                 print(f"{impl} B={B} T={T} S={S}: skipped ({type(e).__name__}: {str(e)[:80]})")
                 fns.pop(impl, None)
         os.environ.pop("JFA_DECODE_SPLIT", None)
         times = {impl: [] for impl in fns}
         for _ in range(a.rounds):
-            for impl, fn in fns.items():
-                times[impl].append(timed(fn, (q, k, v), a.calls))
+            for impl, (fn, args) in fns.items():
+                times[impl].append(timed(fn, args, a.calls))
         kv_bytes = 2 * B * S * K * H * jnp.dtype(dtype).itemsize
         for impl, ts in times.items():
             ms = float(np.median(ts))

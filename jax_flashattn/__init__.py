@@ -7,6 +7,7 @@
     out = jax_flashattn.context_parallel_attention(q, k, v, axis_name="cp")  # inside shard_map
     out = jax_flashattn.flash_attention(q, k, v, mask=jax_flashattn.pack_mask(mask))  # bit-packed
     out = jax_flashattn.sparse_attention(q, k, v, indices)                # top-k sparse (DSA)
+    out = jax_flashattn.paged_attention(q, k_pages, v_pages, block_table, seq_lengths)  # paged KV
 """
 import pkgutil
 
@@ -23,6 +24,7 @@ from .attention import flash_attention
 from .context_parallel import context_parallel_attention, load_balance
 from .dropin import dot_product_attention
 from .masks import PackedMask, block_mask, pack_mask
+from .paged import paged_attention
 from .sparse import attn_dist, sparse_attention
 from .varlen import varlen_attention
 
@@ -30,5 +32,5 @@ __version__ = "0.1.0"
 
 __all__ = ["flash_attention", "dot_product_attention", "varlen_attention",
            "context_parallel_attention", "load_balance", "PackedMask", "pack_mask", "block_mask",
-           "sparse_attention", "attn_dist",
+           "sparse_attention", "attn_dist", "paged_attention",
            "build_info", "__version__"]
