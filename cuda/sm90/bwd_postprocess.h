@@ -14,14 +14,19 @@ namespace jfa::sm90 {
 
 using namespace cute;
 
+// This CTA's (block, head, batch) in a grid of one CTA per (block, head, batch), blocks fastest.
+__forceinline__ __device__ int3 block_head_batch(int num_blocks, int64_t heads) {
+  const int block = int(blockIdx.x % num_blocks);
+  const int rest = int(blockIdx.x / num_blocks);
+  return make_int3(block, int(rest % heads), int(rest / heads));
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  const int num_m_blocks = int((p.T + kBlockM - 1) / kBlockM);
-  const int m_block = int(blockIdx.x % num_m_blocks);
-  const int head = int((blockIdx.x / num_m_blocks) % p.N);
-  const int batch = int(blockIdx.x / num_m_blocks / p.N);
+  const int3 cta = block_head_batch(int((p.T + kBlockM - 1) / kBlockM), p.N);
+  const int m_block = cta.x, head = cta.y, batch = cta.z;
   const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;
 
   typename Traits::TiledMmadQ mma_dq;
@@ -58,10 +63,8 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dkv_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  const int num_n_blocks = int((p.S + kBlockN - 1) / kBlockN);
-  const int n_block = int(blockIdx.x % num_n_blocks);
-  const int kv_head = int((blockIdx.x / num_n_blocks) % p.K);
-  const int batch = int(blockIdx.x / num_n_blocks / p.K);
+  const int3 cta = block_head_batch(int((p.S + kBlockN - 1) / kBlockN), p.K);
+  const int n_block = cta.x, kv_head = cta.y, batch = cta.z;
   const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;
 
   typename Traits::TiledMmadKV mma_dkv;
