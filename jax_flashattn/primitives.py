@@ -236,10 +236,10 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     shapes += [jax.ShapeDtypeStruct((lanes, B, N, _dq_accum_rows(T), Hp), jnp.float32),
                jax.ShapeDtypeStruct((2, B, N, _dq_accum_rows(T)), jnp.float32),
                jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
-    # GQA without deterministic=True: float32 dK and dV partial sums of the Hopper backward, which
-    # may run a group's query heads in CTAs of their own (a rank-0 placeholder otherwise).
+    # Causal GQA without deterministic=True: float32 dK and dV partial sums of the Hopper backward,
+    # which runs a group's query heads in CTAs of their own there (a rank-0 placeholder otherwise).
     K, S = k.shape[2], k.shape[1]
-    gqa = N > K and not config.deterministic
+    gqa = N > K and config.is_causal and not config.deterministic
     shapes.append(jax.ShapeDtypeStruct((2, B, K, _dq_accum_rows(S), Hp) if gqa else (), jnp.float32))
     dq, dk, dv, dbias, dslopes, _, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, T, k.shape[1]),
