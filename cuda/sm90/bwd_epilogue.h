@@ -29,9 +29,9 @@ __forceinline__ __device__ void bwd_epilogue(const BwdParams<Traits>& p, BwdShar
   for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.attn.scale;
   if (p.head_chunks > 1) {
     if (walk.num_steps == 0) return;  // the workspace starts at zero
-    float* dk = bwd_dkv_share<Traits>(p.attn, 0, walk.batch, walk.kv_head, walk.n_block, w);
+    float* dk = bwd_dkv_share<Traits>(p.attn, 0, walk.batch, walk.kv_head(p.group), walk.n_block, w);
     atomic_add_share(tdKrdK, dk, wg_tid);
-    atomic_add_share(tdVrdV, bwd_dkv_share<Traits>(p.attn, 1, walk.batch, walk.kv_head, walk.n_block, w), wg_tid);
+    atomic_add_share(tdVrdV, bwd_dkv_share<Traits>(p.attn, 1, walk.batch, walk.kv_head(p.group), walk.n_block, w), wg_tid);
     return;
   }
   Tensor rdK = make_tensor<Element>(tdKrdK.layout());
@@ -44,7 +44,7 @@ __forceinline__ __device__ void bwd_epilogue(const BwdParams<Traits>& p, BwdShar
   typename Traits::TiledMmadKV mma_dkv;
   auto store = [&](auto const& tma, Element* smem, int w_rows, int row_block) {
     Tensor m = tma.get_tma_tensor(p.shape_kv);
-    tma_store_rows<kBlockN, kHeadDim>(tma, m(_, _, walk.kv_head, walk.batch), smem, w_rows, row_block);
+    tma_store_rows<kBlockN, kHeadDim>(tma, m(_, _, walk.kv_head(p.group), walk.batch), smem, w_rows, row_block);
   };
   if constexpr (Traits::kSplitHead) {
     // The accumulators hold dKᵀ and dVᵀ (each warpgroup some head dims of every key): stored

@@ -57,7 +57,7 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   // Where a CTA still walks several query heads with causality (no workspace), it walks down from
   // the last query block with the heads innermost, so that the CTAs that start together read the
   // same Q and dO rows at the same time.
-  const int heads = group / kp.head_chunks;
+  const int heads = kp.heads = group / kp.head_chunks;
   kp.walk_down = p.deterministic || (heads > 1 && (kCausal || p.is_causal));
   if (kp.head_chunks > 1) {
     err = cudaMemsetAsync(p.dkv_accum, 0, size_t(2 * p.B * p.K * p.dkv_accum_rows()) * kHeadDim * sizeof(float), stream);

@@ -91,13 +91,13 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   // Dropout: the keep bits of the step at hand, made during the last GEMM of the step before.
   constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
   auto keep_bits_of = [&](int s) {
-    const BwdStep st = walk.step(s);
+    const BwdStep st = walk.step(s, p.heads);
     return bwd_keep_bits</*kQueriesInColumns=*/true>(block, st.head, st.m_block, kBlockM, cS_rc);
   };
   decltype(keep_bits_of(0)) keep{};
   if constexpr (kDropout) keep = keep_bits_of(0);
 
-  bwd_for_each_step<Traits>(ss, walk, [&](int s, const BwdStep& st, const PipelineState& read)
+  bwd_for_each_step<Traits>(ss, walk, p.heads, [&](int s, const BwdStep& st, const PipelineState& read)
                                                     CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // Pᵀ after this

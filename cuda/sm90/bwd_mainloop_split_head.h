@@ -67,13 +67,13 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
   // Dropout: the keep bits of the step at hand, made during the last GEMM of the step before.
   constexpr bool kDropout = (kPolicies & kPolicyDropout) != 0;
   auto keep_bits_of = [&](int s) {
-    const BwdStep st = walk.step(s);
+    const BwdStep st = walk.step(s, p.heads);
     return bwd_keep_bits</*kQueriesInColumns=*/false>(block, st.head, st.m_block, kBlockM, cS_rc);
   };
   decltype(keep_bits_of(0)) keep{};
   if constexpr (kDropout) keep = keep_bits_of(0);
 
-  bwd_for_each_step<Traits>(ss, walk, [&](int s, const BwdStep& st, const PipelineState& read)
+  bwd_for_each_step<Traits>(ss, walk, p.heads, [&](int s, const BwdStep& st, const PipelineState& read)
                                                     CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
@@ -103,7 +103,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     if (p.attn.deterministic) {
       semaphore = bwd_dq_semaphore<kBlockM>(p.attn, walk.batch, st.head, st.m_block);
       if (tid < 32) {
-        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head, walk.n_block, st.m_block);
+        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
         if (tid == 0) bwd_dq_wait_turn(semaphore, turn);
       }
       bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);

@@ -22,9 +22,10 @@ struct BwdParams {
   TmaStoreBox<Element> tma_dk, tma_dv;
   GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); dO has Q's shape, dK and dV K's
   int num_n_blocks, num_m_blocks, group;  // group = N / K query heads per K/V head
-  // Set by the launcher (bwd_launch.h): CTAs per key block of a K/V head (each walks group /
-  // head_chunks of its query heads), and whether the walk runs down (BwdWalk::ordered).
-  int head_chunks;
+  // Set by the launcher (bwd_launch.h): CTAs per key block of a K/V head, the query heads each
+  // walks (group / head_chunks: a parameter, so that the walk keeps no register for it), and
+  // whether the walk runs down (BwdWalk::ordered).
+  int head_chunks, heads;
   bool walk_down;
   AttentionParams attn;
 };
@@ -47,6 +48,7 @@ BwdParams<Traits> make_bwd_params(const AttentionParams& p) {
                            int((p.T + kBlockM - 1) / kBlockM),
                            int(p.N / p.K),
                            1,
+                           int(p.N / p.K),
                            p.deterministic,
                            p};
 }
@@ -71,12 +73,12 @@ struct BwdStep {
 };
 
 struct BwdWalk {
-  int kv_head, batch, n_block;
-  int head0, heads;  // the query heads the CTA walks
+  int head0, batch, n_block;  // head0: the first query head the CTA walks
   int m_begin, steps_per_head, num_steps;
   bool ordered;
 
-  __forceinline__ __device__ BwdStep step(int s) const {
+  __forceinline__ __device__ int kv_head(int group) const { return head0 / group; }
+  __forceinline__ __device__ BwdStep step(int s, int heads) const {
     if (ordered) {
       const int back = s / heads;
       return {head0 + (s - back * heads), m_begin + steps_per_head - 1 - back};
@@ -91,26 +93,26 @@ struct BwdWalk {
 template <typename Traits, bool kCausal, int kPolicies, typename Order>
 __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Order& order) {
   const TileCoord t = order.get(int(blockIdx.x));  // t.head: K/V head · head_chunks + chunk
-  const int kv_head = t.head / p.head_chunks, heads = p.group / p.head_chunks;
+  const int kv_head = t.head / p.head_chunks;
   int2 range;
   if constexpr (kPolicies != 0)
     range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, t.batch, kv_head, t.m_block);
   else
     range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;
-  const int head0 = kv_head * p.group + (t.head - kv_head * p.head_chunks) * heads;
-  return BwdWalk{kv_head, t.batch, t.m_block, head0, heads, range.x, per_head, per_head * heads, p.walk_down};
+  const int head0 = kv_head * p.group + (t.head - kv_head * p.head_chunks) * p.heads;
+  return BwdWalk{head0, t.batch, t.m_block, range.x, per_head, per_head * p.heads, p.walk_down};
 }
 
 // Waits for the CTA's K and V, then runs step(s, the step, the Q/dO ring's read state) for every
 // step of the walk, advancing the ring after each.
 template <typename Traits, typename Storage, typename Body>
-__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, Body&& body) {
+__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, int heads, Body&& body) {
   ss.kv_full.wait(0);
   typename Traits::PipelineState read;
 #pragma unroll 1
   for (int s = 0; s < walk.num_steps; ++s) {
-    body(s, walk.step(s), read);
+    body(s, walk.step(s, heads), read);
     ++read;
   }
 }

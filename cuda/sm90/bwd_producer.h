@@ -44,23 +44,23 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
     const typename Traits::SmemLayoutQ layout_q;
     const typename Traits::SmemLayoutdO layout_do;
     load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-              walk.step(0));
+              walk.step(0, p.heads));
     if (leader) {
       ss.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
       uint64_t& bar = reinterpret_cast<uint64_t&>(ss.kv_full);
-      tma_load_tile<kBlockN, kHeadDim>(p.tma_k, p.tma_k.get_tma_tensor(p.shape_kv), walk.kv_head, walk.batch,
+      tma_load_tile<kBlockN, kHeadDim>(p.tma_k, p.tma_k.get_tma_tensor(p.shape_kv), walk.kv_head(p.group), walk.batch,
                                        walk.n_block, make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{}), bar);
-      tma_load_tile<kBlockN, kHeadDim>(p.tma_v, p.tma_v.get_tma_tensor(p.shape_kv), walk.kv_head, walk.batch,
+      tma_load_tile<kBlockN, kHeadDim>(p.tma_v, p.tma_v.get_tma_tensor(p.shape_kv), walk.kv_head(p.group), walk.batch,
                                        walk.n_block, make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{}), bar);
     }
 #pragma unroll 1
     for (int s = 0; s < walk.num_steps; ++s) {
       load_rows(p.tma_do, layout_do, ss.dout.data(), pipeline_do, p.attn.softmax_d, ss.d[write.index()],
-                walk.step(s));
+                walk.step(s, p.heads));
       ++write;
       if (s + 1 < walk.num_steps)
         load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-                  walk.step(s + 1));
+                  walk.step(s + 1, p.heads));
     }
   }
   // Do not exit while a consumer may still arrive on a barrier of this CTA.
@@ -82,12 +82,12 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   constexpr int kHandshake = 128 + 32;
 #pragma unroll 1
   for (int s = 0; s < walk.num_steps; ++s) {
-    const BwdStep st = walk.step(s);
+    const BwdStep st = walk.step(s, p.heads);
     float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * Traits::kHeadDim;
     int32_t* semaphore = nullptr;
     if (p.attn.deterministic) {
       const int turn =
-          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head, walk.n_block, st.m_block);
+          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
       semaphore = bwd_dq_semaphore<Traits::kBlockM>(p.attn, walk.batch, st.head, st.m_block);
       if (leader) bwd_dq_wait_turn(semaphore, turn);
       __syncwarp();
