@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _validate
 from .attention import flash_attention
-from .varlen import _concrete
+
 
 # The split-KV path cuts the keys into blocks of at least 512 (decode._MIN_CHUNK) that divide S.
 _SPLIT_BLOCK = 512
@@ -67,7 +67,7 @@ def _check(query, key_cache, value_cache, block_table, seq_lengths, page_size):
               f"{seq_lengths.dtype} {seq_lengths.shape}", TypeError if seq_lengths.dtype != jnp.int32
               else ValueError)
     max_pages = block_table.shape[1]
-    _check_values(_concrete(block_table), _concrete(seq_lengths), T, num_pages, cache_page_size,
+    _check_values(_validate.concrete(block_table), _validate.concrete(seq_lengths), T, num_pages, cache_page_size,
                   max_pages)
     return num_pages, cache_page_size, max_pages
 
