@@ -85,6 +85,7 @@ MQA_LAYOUTS = {  # query spec on a 2x4 mesh; K/V follow on batch only
     "heads-2": P(None, None, "x"),
     "heads-4": P(None, None, "y"),
     "batch+heads-4": P("x", None, "y"),
+    "query-2+heads-4": P(None, "x", "y"),  # dK/dV summed over both axes at once
 }
 
 
