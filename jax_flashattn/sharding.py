@@ -7,7 +7,9 @@ simply run on the local blocks.
 What each call keeps sharded, decided from the query's sharding:
   * batch and heads: kept, with no collective in either pass. Key/value heads split with the
     query heads (query head n uses key/value head n // G, so whole GQA groups stay together);
-    when K does not divide by the head shards the heads are gathered instead.
+    when K does not divide by the head shards the heads are gathered instead. With one key/value
+    head (MQA) the query heads are kept split and K/V replicated: each head shard holds a share of
+    dK/dV, which the backward sums over the head shards, its one collective there.
   * query sequence: kept where each device's query positions can be offset to the global ones
     (below); K/V are then needed whole on every device, and the backward sums dK/dV over the
     query shards, the only collective.
@@ -88,22 +90,30 @@ def _query_offsets_supported(config, shapes) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Mesh axes along which a call stays sharded: batch, query sequence, heads."""
+    """Mesh axes along which a call stays sharded: batch, query sequence, query heads and K/V
+    heads (the query heads' axes, or none where one K/V head serves every query head: MQA)."""
     batch: tuple = ()
     query: tuple = ()
     heads: tuple = ()
+    kv_heads: tuple = ()
+
+    @property
+    def kv_sum(self) -> tuple:
+        """Mesh axes whose devices each hold a share of dK/dV: query shards and replicated K/V."""
+        return self.query + tuple(a for a in self.heads if a not in self.kv_heads)
 
 
 def _plan(config, mesh, shapes, q_sharding, k_sharding) -> _Plan:
-    K = shapes[1][2]
+    N, K = shapes[0][2], shapes[1][2]
     batch = dim_axes(q_sharding, 4, 0)
     query = dim_axes(q_sharding, 4, 1) if _query_offsets_supported(config, shapes) else ()
     heads = dim_axes(q_sharding, 4, 2)
-    if config.dropout_rate or K % shard_count(mesh, heads):
+    shards = shard_count(mesh, heads)
+    if config.dropout_rate or N % shards or (K % shards and K != 1):
         heads = ()
     if dim_axes(k_sharding, 4, 1):
         _warn_kv_sequence_gathered()
-    return _Plan(batch, query, heads)
+    return _Plan(batch, query, heads, heads if K % shard_count(mesh, heads) == 0 else ())
 
 
 _warned = []
@@ -122,7 +132,7 @@ def _operand_specs(plan, shapes, backward):
     """PartitionSpecs of every operand, in the primitive's order."""
     (B, T, N, _), S = shapes[0], shapes[1][1]
     b, t, n = spec_entry(plan.batch), spec_entry(plan.query), spec_entry(plan.heads)
-    q4, kv4, rows = P(b, t, n, None), P(b, None, n, None), P(b, t, n)
+    q4, kv4, rows = P(b, t, n, None), P(b, None, spec_entry(plan.kv_heads), None), P(b, t, n)
     specs = [q4, kv4, kv4] + ([q4, rows, q4, rows] if backward else [])
     extras = shapes[-_NUM_EXTRAS:]
     for name, shape in zip(Extras._fields, extras):
@@ -216,10 +226,10 @@ def _backward_shard(plan, scale, config, implementation, total_queries, shapes):
             operands, cfg = _offset_queries(operands, config, plan.query, total_queries, shifted)
         dq, dk, dv, dbias, dslopes = attention_bwd_kernel_p.bind(
             *operands, scale=scale, config=cfg, implementation=implementation)
-        if plan.query:  # each query block holds a share of every key's gradient
-            dk, dv = jax.lax.psum((dk, dv), plan.query)
-            if dslopes.ndim:
-                dslopes = jax.lax.psum(dslopes, plan.query)
+        if plan.kv_sum:  # each query block or head shard holds a share of every key's gradient
+            dk, dv = jax.lax.psum((dk, dv), plan.kv_sum)
+        if plan.query and dslopes.ndim:
+            dslopes = jax.lax.psum(dslopes, plan.query)
         if bias_shape:
             axes = _broadcast_axes(plan, bias_shape, (B, N, T))
             if axes:

@@ -1,7 +1,7 @@
 """Attention on sharded operands under jax.jit: values and gradients equal the unsharded call,
 outputs and gradients keep the operands' sharding, and the compiled program holds no collective
-for batch and head sharding, and for query-sequence sharding none in the forward and only the
-dK/dV reduction in the backward."""
+for batch and head sharding, and for query-sequence sharding and for query heads split over one
+K/V head (MQA) none in the forward and only the dK/dV reduction in the backward."""
 from __future__ import annotations
 
 import logging
@@ -79,6 +79,74 @@ def test_batch_and_head_sharding_without_collectives(layout, is_causal, shardy):
     assert lse.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec[:3])), 3)
     for g, x in zip(grads, args[:3]):
         assert g.sharding.is_equivalent_to(x.sharding, 4)
+
+
+MQA_LAYOUTS = {  # query spec on a 2x4 mesh; K/V follow on batch only
+    "heads-2": P(None, None, "x"),
+    "heads-4": P(None, None, "y"),
+    "batch+heads-4": P("x", None, "y"),
+    "query-2+heads-4": P(None, "x", "y"),  # dK/dV summed over both axes at once
+}
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full-bias", "causal-alibi"])
+@pytest.mark.parametrize("layout", list(MQA_LAYOUTS))
+def test_one_key_value_head_keeps_the_query_heads_split(layout, is_causal, shardy):
+    """MQA (K = 1): the query heads (and the bias's, mask's and slopes' head axes) stay split and
+    K/V replicated; the backward's one collective sums dK/dV (and d(bias) over the batch split)."""
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    seed = fresh_seed()
+    B, T, S, N, K, H = 4, 32, 48, 8, 1, 16
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    spec = MQA_LAYOUTS[layout]
+    b, n = spec[0], spec[2]
+    rng = np.random.default_rng(seed)
+    if is_causal:
+        extra = dict(alibi_slopes=(jnp.asarray(rng.uniform(0.05, 0.5, (N,)), jnp.float32), P(n)))
+    else:  # a bias shared by the batch, a mask per batch element and head
+        extra = dict(bias=(jnp.asarray(rng.normal(size=(1, N, T, S)), jnp.float32), P(None, n)),
+                     mask=(jnp.asarray(rng.random((B, N, T, S)) < 0.8), P(b, n)))
+    names = tuple(extra)
+    differentiable = tuple(name for name in names if name != "mask")
+    args = [put(mesh, q, spec), put(mesh, k, P(b)), put(mesh, v, P(b)), put(mesh, do, spec),
+            put(mesh, dlse, P(*spec[:3]))] + [put(mesh, *extra[name]) for name in names]
+
+    def f(q, k, v, do, dlse, *values):
+        return forward_and_grads(q, k, v, do, dlse, differentiable, is_causal=is_causal,
+                                 **dict(zip(names, values)))
+
+    def forward(q, k, v, *values):
+        return jfa.flash_attention(q, k, v, return_lse=True, is_causal=is_causal,
+                                   **dict(zip(names, values)))
+
+    with partitioner(shardy):
+        assert collectives(forward, *args[:3], *args[5:]) == []
+        assert collectives(f, *args) == ["all-reduce"]
+        (out, lse), grads = jax.jit(f)(*args)
+    (r_out, r_lse), r_grads = jax.jit(f)(q, k, v, do, dlse, *[extra[name][0] for name in names])
+    check_equal((out, lse, grads), (r_out, r_lse, r_grads), seed, bound=1e-5)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    assert lse.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec[:3])), 3)
+    assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    for g in grads[1:3]:
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(b)), 4)
+
+
+def test_one_key_value_head_with_dropout_gathers_the_heads():
+    # Dropout draws from the local head index, so split query heads would change the stream.
+    mesh = cpu_mesh((4,), ("y",))
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, 2, 16, 16, 8, 1, 16)
+
+    def f(q, k, v, do, dlse):
+        return forward_and_grads(q, k, v, do, dlse, is_causal=True, dropout_rate=0.25,
+                                 dropout_rng=jax.random.key(seed))
+
+    spec = P(None, None, "y")
+    sharded = jax.jit(f)(put(mesh, q, spec), put(mesh, k, P()), put(mesh, v, P()),
+                         put(mesh, do, spec), put(mesh, dlse, spec))
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse), seed)
 
 
 # Query-sequence sharding with K/V replicated: keywords whose positions each device offsets.
