@@ -14,8 +14,10 @@ alibi_slopes, local_window_size, ...) can be bound the same way with functools.p
 Inputs may have several leading batch axes, as Flax allows ([batch..., T, N, H]): they are folded
 into one for the kernels and unfolded in the output, masks and biases with them (a mask or bias
 broadcast over every batch axis stays unexpanded). Masks and biases broadcastable to
-[batch..., N, T, S] are passed to the kernels as they are. Masks may have any dtype, as in Flax's own attention (nonzero = attend: `make_causal_mask`
-gives float32), or be a jax_flashattn.PackedMask. Dropout (dropout_rate > 0 and not
+[batch..., N, T, S] are passed to the kernels as they are. Masks may have any dtype, as in Flax's
+own attention (nonzero = attend: `make_causal_mask` gives float32), or be a
+jax_flashattn.PackedMask. A query row whose mask lets it see no key gives 0, where Flax's
+attention averages all the values. Dropout (dropout_rate > 0 and not
 deterministic) uses jax_flashattn's Philox stream keyed by Flax's dropout_rng: the same rate and
 scaling as Flax, a different random mask, drawn per (batch, head) whatever broadcast_dropout says.
 
@@ -113,7 +115,8 @@ def _check_shapes(query, key, value):
     if not query.ndim == key.ndim == value.ndim:
         raise ValueError(f"q, k, v must have same rank, but got {query.ndim}, {key.ndim}, {value.ndim}.")
     if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
-        raise ValueError(f"q, k, v batch dims must match, but got shapes {query.shape}, {key.shape}, {value.shape}.")
+        raise ValueError(f"q, k, v batch dims must match, but got shapes {query.shape}, {key.shape}, "
+                         f"{value.shape}.")
     if key.shape[-3] != value.shape[-3]:
         raise ValueError(f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}.")
     if query.shape[-1] != key.shape[-1]:

@@ -180,7 +180,8 @@ def test_linen_force_fp32_for_softmax_reaches_sown_weights(force_fp32):
     ours = linen.MultiHeadDotProductAttention(**kwargs, attention_fn=attention_fn)
     params = ours.init(jax.random.key(1), x)
     out, state = ours.apply(params, x, mutable=["intermediates"], sow_weights=True)
-    assert state["intermediates"]["attention_weights"][0].dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)
+    weights = state["intermediates"]["attention_weights"][0]
+    assert weights.dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)
     plain = linen.MultiHeadDotProductAttention(**kwargs)
     assert rel_err(out, plain.apply(params, x)) <= 1e-2
 
@@ -196,7 +197,8 @@ def test_linen_custom_einsums_run_flax_own_attention():
     theirs = linen.MultiHeadDotProductAttention(**kwargs)
     params = theirs.init(jax.random.key(1), x)
     expected = theirs.apply(params, x)
-    assert rel_err(expected, linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=8).apply(params, x)) > 1e-3
+    plain = linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+    assert rel_err(expected, plain.apply(params, x)) > 1e-3  # the einsum mattered
     assert rel_err(ours.apply(params, x), expected) <= 1e-6
     with pytest.raises(ValueError, match="mutually exclusive"):  # Flax's own check, on precision
         linen.MultiHeadDotProductAttention(**kwargs, precision=jax.lax.Precision.HIGHEST,
@@ -234,3 +236,15 @@ def test_shape_errors_carry_flax_messages(shapes, match):
     q, k, v = (jnp.ones(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         attention_fn(q, k, v)
+
+
+def test_nnx_decode_mode_with_flax_cache_matches_causal_call():
+    """Flax's decode=True steps pass a mask over the cache's filled rows, one token per call."""
+    seed = fresh_seed() % 2**31
+    x = jax.random.normal(jax.random.key(seed), (2, 6, 32))
+    model = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=64, decode=True,
+                                   rngs=nnx.Rngs(seed), attention_fn=attention_fn)
+    model.init_cache(x.shape)
+    step = nnx.jit(lambda model, token: model(token))
+    cached = jnp.concatenate([step(model, x[:, i:i + 1]) for i in range(6)], axis=1)
+    assert rel_err(cached, model(x, decode=False, is_causal=True)) <= 1e-5, f"seed {seed}"
