@@ -24,7 +24,8 @@ scaling as Flax, a different random mask, drawn per (batch, head) whatever broad
 Some calls run on Flax's own attention instead (only without jax_flashattn's own keywords):
 `sow_weights=True`, which asks for the T x S attention weights that jax_flashattn never forms (Flax
 sows them); dtypes other than float32, float16 and bfloat16 (float64 under jax_enable_x64,
-complex64), which the kernels do not take; and linen's custom einsums (`qk_attn_weights_einsum_cls`,
+complex64; nnx's and linen's modules each get their own, which differ), which the kernels do not
+take; and linen's custom einsums (`qk_attn_weights_einsum_cls`,
 `attn_weights_value_einsum_cls`, e.g. AQT's quantized ones). `precision` is not used by the kernels
 (nor by Flax's own attention on its jax.nn path); `force_fp32_for_softmax` holds anyway, the
 kernels' softmax being float32. Shape errors carry Flax's messages. In decode mode (a KV cache)
@@ -44,13 +45,13 @@ from .masks import PackedMask
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                  dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                  precision=None, module=None, *, is_causal=False, implementation=None,
-                 promote_dtype=None, force_fp32_for_softmax=False, einsum_dot_general=None,
+                 promote_dtype=None, force_fp32_for_softmax=None, einsum_dot_general=None,
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **keywords):
     """A `flax.nnx.dot_product_attention`-compatible attention function on jax_flashattn.
 
-    promote_dtype: as nnx's (casts query, key, value first). force_fp32_for_softmax, einsum_dot_general,
-    qk_attn_weights_einsum, attn_weights_value_einsum: as linen's; the kernels always take the
-    softmax in float32, and custom einsums run Flax's own attention.
+    promote_dtype: as nnx's (casts query, key, value first). force_fp32_for_softmax,
+    einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: as linen's; the kernels
+    always take the softmax in float32, and custom einsums run Flax's own attention.
     keywords: flash_attention's own keywords (bind them with functools.partial); anything else
     Flax may pass in the future is ignored.
     """
@@ -139,7 +140,9 @@ def _flax_own_attention(reason, query, key, value, bias, mask, broadcast_dropout
     from flax.nnx.nn import attention as nnx_attention  # noqa: PLC0415
     args = (query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
             dtype, precision, module)
-    linen_only = {name: x for name, x in linen_only.items() if x}
+    # Linen's modules always pass force_fp32_for_softmax (nnx's never do), so its presence picks
+    # linen's attention, whose results (complex ones included) differ from nnx's jax.nn path.
+    linen_only = {name: x for name, x in linen_only.items() if x is not None}
     if not linen_only and (module is None or isinstance(module, nnx.Module)):
         return nnx_attention.dot_product_attention(*args, is_causal=is_causal)
     from flax.linen import attention as linen_attention  # noqa: PLC0415
