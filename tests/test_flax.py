@@ -160,3 +160,99 @@ def test_float64_runs_flax_own_attention():
         assert rel_err(out, nnx.dot_product_attention(q, k, v, mask=causal)) <= 1e-12, f"seed {seed}"
         with pytest.raises(ValueError, match="float64.*softcap"):
             attention_fn(q, k, v, softcap=5.0)
+
+
+def _close_complex(out, expected):
+    """rel_err would drop the imaginary part."""
+    assert out.dtype == jnp.complex64
+    assert jnp.max(jnp.abs(out - expected)) <= 1e-5 * jnp.max(jnp.abs(expected))
+
+
+def test_complex_inputs_run_flax_own_attention():
+    """The kernels take no complex dtype; each module family gets its own Flax attention, whose
+    complex results differ (nnx's runs through jax.nn)."""
+    re, im = jax.random.normal(jax.random.key(0), (2, 2, 6, 32))
+    x = jax.lax.complex(re, im)
+    ours = linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, attention_fn=attention_fn)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+    params = theirs.init(jax.random.key(1), x)
+    _close_complex(ours.apply(params, x), theirs.apply(params, x))
+    ours, theirs = _nnx_mha(0, attention_fn), _nnx_mha(0, None)
+    _close_complex(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("force_fp32", [True, False])
+def test_linen_force_fp32_for_softmax_reaches_sown_weights(force_fp32):
+    x = jax.random.uniform(jax.random.key(0), (2, 4))
+    kwargs = dict(num_heads=2, qkv_features=4, force_fp32_for_softmax=force_fp32, dtype=jnp.bfloat16)
+    ours = linen.MultiHeadDotProductAttention(**kwargs, attention_fn=attention_fn)
+    params = ours.init(jax.random.key(1), x)
+    out, state = ours.apply(params, x, mutable=["intermediates"], sow_weights=True)
+    weights = state["intermediates"]["attention_weights"][0]
+    assert weights.dtype == (jnp.float32 if force_fp32 else jnp.bfloat16)
+    plain = linen.MultiHeadDotProductAttention(**kwargs)
+    assert rel_err(out, plain.apply(params, x)) <= 1e-2
+
+
+def test_linen_custom_einsums_run_flax_own_attention():
+    """A custom einsum (AQT's quantized ones) changes the result; the kernels cannot run it."""
+    def halved():
+        return lambda spec, a, b: 0.5 * jnp.einsum(spec, a, b)
+    x = jax.random.normal(jax.random.key(0), (2, 7, 8))
+    kwargs = dict(num_heads=2, qkv_features=8, qk_attn_weights_einsum_cls=halved,
+                  attn_weights_value_einsum_cls=lambda: jnp.einsum)
+    ours = linen.MultiHeadDotProductAttention(**kwargs, attention_fn=attention_fn)
+    theirs = linen.MultiHeadDotProductAttention(**kwargs)
+    params = theirs.init(jax.random.key(1), x)
+    expected = theirs.apply(params, x)
+    plain = linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)
+    assert rel_err(expected, plain.apply(params, x)) > 1e-3  # the einsum mattered
+    assert rel_err(ours.apply(params, x), expected) <= 1e-6
+    with pytest.raises(ValueError, match="mutually exclusive"):  # Flax's own check, on precision
+        linen.MultiHeadDotProductAttention(**kwargs, precision=jax.lax.Precision.HIGHEST,
+                                           attention_fn=attention_fn).apply(params, x)
+
+
+def test_nnx_promote_dtype_is_applied():
+    q = jax.random.normal(jax.random.key(0), (2, 5, 2, 8))
+    to_bf16 = lambda arrays, dtype: tuple(a.astype(jnp.bfloat16) for a in arrays)  # noqa: E731
+    out = attention_fn(q, q, q, promote_dtype=to_bf16)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, nnx.dot_product_attention(q, q, q, promote_dtype=to_bf16)) <= 1e-2
+
+
+def test_flax_names_replaced_by_attention_fn_still_reach_flax_own_attention(monkeypatch):
+    """Users may replace nnx/linen.dot_product_attention by ours; the fallbacks must not call ours back."""
+    monkeypatch.setattr(nnx, "dot_product_attention", attention_fn)
+    monkeypatch.setattr(linen, "dot_product_attention", attention_fn)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    out = _nnx_mha(0, attention_fn)(x, sow_weights=True)
+    assert out.shape == (2, 5, 32)
+    ours, _, params, x, _ = _linen_causal_pair(0, 5)
+    out, state = ours.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    assert jax.tree.leaves(state)[0].shape == (2, 4, 5, 5)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((2, 16, 4, 8), (16, 4, 8), (16, 4, 8)), "same rank"),
+    (((2, 16, 4, 8), (3, 16, 4, 8), (3, 16, 4, 8)), "batch dims must match"),
+    (((2, 16, 4, 8), (2, 16, 4, 8), (2, 15, 4, 8)), "lengths must match"),
+    (((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 8)), "depths must match"),
+])
+def test_shape_errors_carry_flax_messages(shapes, match):
+    """The messages of nnx.dot_product_attention's own checks (its dropout path)."""
+    q, k, v = (jnp.ones(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        attention_fn(q, k, v)
+
+
+def test_nnx_decode_mode_with_flax_cache_matches_causal_call():
+    """Flax's decode=True steps pass a mask over the cache's filled rows, one token per call."""
+    seed = fresh_seed() % 2**31
+    x = jax.random.normal(jax.random.key(seed), (2, 6, 32))
+    model = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=64, decode=True,
+                                   rngs=nnx.Rngs(seed), attention_fn=attention_fn)
+    model.init_cache(x.shape)
+    step = nnx.jit(lambda model, token: model(token))
+    cached = jnp.concatenate([step(model, x[:, i:i + 1]) for i in range(6)], axis=1)
+    assert rel_err(cached, model(x, decode=False, is_causal=True)) <= 1e-5, f"seed {seed}"
