@@ -44,6 +44,12 @@ def _sm_count() -> int:
         return 132
 
 
+def chunk_counts(S):
+    """The numbers of equal key blocks (two or more) the split can cut S keys into: blocks of at
+    least _MIN_CHUNK keys, each a whole number of 128-key tiles."""
+    return [n for n in range(2, S // _MIN_CHUNK + 1) if S % n == 0 and (S // n) % 128 == 0]
+
+
 def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
     """The split for this call, or None where it does not apply (module docstring)."""
     if implementation == "cpu" or os.environ.get("JFA_DECODE_SPLIT") == "0":
@@ -66,9 +72,7 @@ def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
         return None
     target = _WAVES * _sm_count()
     best = 1
-    for chunks in range(2, S // _MIN_CHUNK + 1):
-        if S % chunks or (S // chunks) % 128:
-            continue
+    for chunks in chunk_counts(S):
         best = chunks
         if B * heads * chunks >= target:
             break

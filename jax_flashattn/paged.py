@@ -17,10 +17,7 @@ import numpy as np
 
 from . import _validate
 from .attention import flash_attention
-
-
-# The split-KV path cuts the keys into blocks of at least 512 (decode._MIN_CHUNK) that divide S.
-_SPLIT_BLOCK = 512
+from .decode import _MIN_CHUNK, chunk_counts
 
 
 def _fail(message, error=ValueError):
@@ -94,17 +91,12 @@ def _check_values(table, lengths, T, num_pages, page_size, max_pages):
                       f"entries (seq_lengths[{b}] = {int(lengths[b])}, page_size={page_size})")
 
 
-def _splittable(rows):
-    """Whether decode.split_plan can cut `rows` keys into two or more blocks."""
-    return any(rows % n == 0 and (rows // n) % 128 == 0 for n in range(2, rows // _SPLIT_BLOCK + 1))
-
-
 def gathered_pages(max_pages, page_size):
     """Pages per sequence in the contiguous buffer: max_pages, raised where fewer than 512 more
     (masked) rows let the split-KV path cut a length it could not cut into blocks."""
     rows = max_pages * page_size
-    padded = -(-rows // _SPLIT_BLOCK) * _SPLIT_BLOCK
-    if padded % page_size or _splittable(rows) or not _splittable(padded):
+    padded = -(-rows // _MIN_CHUNK) * _MIN_CHUNK
+    if padded % page_size or chunk_counts(rows) or not chunk_counts(padded):
         return max_pages
     return padded // page_size
 
