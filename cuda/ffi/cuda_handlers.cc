@@ -277,7 +277,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // row statistics workspace, float32 [2, B, N, padded T]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk/dv workspace, float32 [2, B, K, padded S, H] (GQA; else rank 0)
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk/dv workspace, float32 [2, B, K, padded S, H] (causal GQA; else rank 0)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("is_causal")
                                   .Attr<int32_t>("bottom_right")

@@ -61,9 +61,10 @@ __forceinline__ __device__ int2 bwd_m_block_range(const BwdParams<Traits>& p, in
   return make_int2(begin, p.num_m_blocks);
 }
 
-// Step s of a CTA's walk over `heads` query heads from head0: query head head0 + s / steps_per_head,
-// query block begin + the rest. deterministic=True (`ordered`) walks the other way: down from the last query block, the
-// group's query heads innermost, so that the CTAs of every key block reach a query block at the same
+// Step s of a CTA's walk over `heads` query heads from head0: query head head0 + s /
+// steps_per_head, query block begin + the rest. `ordered` (deterministic=True, and causal CTAs that
+// walk several heads: bwd_launch.h) walks the other way: down from the last query block, the
+// query heads innermost, so that the CTAs of every key block reach a query block at the same
 // step and each waits for its turn there (bwd_dq_order.h) only as long as the lower key blocks'
 // adds take; walking up from the diagonal, a causal key block's first block would be the lower
 // key blocks' last.

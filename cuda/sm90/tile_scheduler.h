@@ -80,7 +80,7 @@ struct BwdTileOrder {
   int num_n_blocks;
   int num_kv_heads;  // K · head chunks
   int num_bk;        // B · K · head chunks
-  int section_bk;    // (batch, K/V head) pairs per L2 section (kLongestFirst only)
+  int section_bk;    // (batch, K/V head, chunk) units per L2 section (kLongestFirst only)
 
   __forceinline__ __device__ TileCoord get(int tile) const {
     int n_block, bk;

@@ -217,9 +217,9 @@ struct AttentionParams {
   // aligned, which the Hopper backward's bulk copies of them need.
   float* softmax_d = nullptr;
   float* lse_log2 = nullptr;
-  // GQA only (null otherwise): float32 [2, B, K, dkv_accum_rows(), H], dK then dV, for the Hopper
-  // backward when it runs a group's query heads in CTAs of their own, which add their partial dK and
-  // dV here (zeroed by its launcher) instead of storing them.
+  // Causal GQA without deterministic=True only (null otherwise): float32 [2, B, K, dkv_accum_rows(),
+  // H], dK then dV, where the Hopper backward runs a group's query heads in CTAs of their own, which
+  // add their partial dK and dV here (zeroed by its launcher) instead of storing them.
   float* dkv_accum = nullptr;
 
   // Deterministic backward (deterministic=True): every lane of a dQ tile receives its key
