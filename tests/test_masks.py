@@ -185,6 +185,17 @@ def test_window_far_from_every_key_skips_all_tiles():
     assert not np.any(np.asarray(out[0, 3:]))
 
 
+def test_window_past_short_keys_with_segments():
+    """Rows whose window starts inside a tile lying past the key length see nothing there: such a
+    tile is skipped before its segment ids are read (an empty key range inside the tile)."""
+    seed = fresh_seed()
+    B, T, N, H = 2, 300, 2, 16
+    kw = dict(is_causal=True, local_window_size=(100, 0),
+              key_value_seq_lengths=jnp.asarray([10, 37], jnp.int32),
+              q_segment_ids=_segments(seed, B, T, 3), kv_segment_ids=_segments(seed + 1, B, T, 3))
+    compare_with_reference(seed, (B, T, T, N, N, H), kw)
+
+
 def test_segments_equal_block_diagonal_attention():
     """Two packed sequences give exactly what attending to each one separately gives."""
     seed = fresh_seed()

@@ -156,7 +156,8 @@ enum class TileKind { kSkip, kFull, kPartial };
 JFA_HOST_DEVICE TileKind position_tile_kind(const AttentionParams& p, const SequenceBounds& s,
                                             int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
   const KeyRange r = key_range(p, s, i0, rows);
-  if (r.end <= j0 || r.begin >= j0 + cols) return TileKind::kSkip;
+  // An empty range may lie inside the tile (a window's left edge past the key length).
+  if (r.end <= r.begin || r.end <= j0 || r.begin >= j0 + cols) return TileKind::kSkip;
   const int64_t last = i0 + rows - 1;
   const bool full = last < s.q_len && j0 + cols <= s.kv_len && key_lo(p, s, last) <= j0 &&
                     key_hi(p, s, i0) >= j0 + cols;
