@@ -9,6 +9,9 @@ It is trained on this repository's own text (README, sources), so that the loss 
 attention (`--impls`: jax_flashattn through jax_flashattn.flax.attention_fn, jax.nn's cudnn and xla
 implementations) starts from the same initial weights and sees the same batches; the steps of the
 implementations alternate (step i of each, then step i + 1), so that clock drift reaches all alike.
+Causality comes as `is_causal=True`, or, for an impl named with `+mask` (say `jax_flashattn+mask`),
+as Flax's idiom: `nnx.make_causal_mask(tokens)`, a dense float32 [B, 1, T, T] mask given to every
+layer (cast to bool for jax.nn, which takes boolean masks only).
 
 Reports per implementation the median step time over the steps after `--warmup`, and the largest
 relative difference of its loss curve from the first implementation's. Writes
@@ -31,20 +34,26 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
 def attention_function(name):
     """A flax attention_fn for `name`, causal whatever Flax passes: newer flax.nnx passes its own
-    `is_causal` (False unless the module is called with it), older versions pass none."""
+    `is_causal` (False unless the module is called with it), older versions pass none. With
+    `+mask` the mask that the model passes is the causality."""
+    name, _, how = name.partition("+")
     if name == "jax_flashattn":
         from jax_flashattn.flax import attention_fn as base
     else:
         def base(query, key, value, bias=None, mask=None, *, is_causal=False, **unused):
+            mask = None if mask is None else mask.astype(bool)
             return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                                                 implementation=name)
+
+    if how == "mask":
+        return base
 
     def causal(query, key, value, *args, **keywords):
         return base(query, key, value, *args, **dict(keywords, is_causal=True))
     return causal
 
 
-def build_model(args, attention_fn):
+def build_model(args, attention_fn, causal_mask):
     from flax import nnx
 
     dtype = DTYPES[args.dtype]
@@ -59,8 +68,8 @@ def build_model(args, attention_fn):
             self.up = nnx.Linear(d, 4 * d, dtype=dtype, rngs=rngs)
             self.down = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
-        def __call__(self, x):
-            x = x + self.attn(self.norm1(x))
+        def __call__(self, x, mask):
+            x = x + self.attn(self.norm1(x), mask=mask)
             return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
     class GPT(nnx.Module):
@@ -73,8 +82,9 @@ def build_model(args, attention_fn):
 
         def __call__(self, tokens):
             x = self.embed(tokens)
+            mask = nnx.make_causal_mask(tokens) if causal_mask else None
             for block in self.blocks:
-                x = block(x)
+                x = block(x, mask)
             return self.head(self.norm(x))
 
     return GPT(nnx.Rngs(args.seed))
@@ -101,7 +111,7 @@ def trainer(args, name):
     import optax
     from flax import nnx
 
-    model = build_model(args, attention_function(name))
+    model = build_model(args, attention_function(name), causal_mask=name.endswith("+mask"))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(args.lr, weight_decay=0.01)
 
@@ -146,12 +156,12 @@ def run(args):
         for name in args.impls:
             for i, (loss, ms) in enumerate(zip(losses[name], times[name])):
                 writer.writerow([device.device_kind, name, i, f"{loss:.6f}", f"{ms:.3f}"])
-    print(f"{'impl':<16}{'step ms':>10}{'vs ' + first:>12}{'max rel loss diff':>20}")
+    print(f"{'impl':<22}{'step ms':>10}{'vs ' + first:>12}{'max rel loss diff':>20}")
     base_ms = float(np.median(times[first][args.warmup:]))
     for name in args.impls:
         ms = float(np.median(times[name][args.warmup:]))
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses[first]))
-        print(f"{name:<16}{ms:>10.2f}{base_ms / ms:>11.3f}x{diff:>20.2e}")
+        print(f"{name:<22}{ms:>10.2f}{base_ms / ms:>11.3f}x{diff:>20.2e}")
     print(f"wrote {path}")
     return path
 
@@ -173,7 +183,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny float32 run for a CPU")
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        args.impls, args.layers, args.width, args.heads = ["jax_flashattn", "xla"], 1, 64, 2
+        args.impls, args.layers, args.width, args.heads = ["jax_flashattn", "jax_flashattn+mask", "xla"], 1, 64, 2
         args.batch, args.seqlen, args.dtype, args.steps, args.warmup = 2, 64, "fp32", 4, 1
     return args
 
