@@ -12,6 +12,7 @@
 
 #include "jfa/params.h"
 #include "jfa/score_mod.h"
+#include "fwd_params.h"
 #include "mask.h"
 #include "tile_scheduler.h"
 
@@ -33,13 +34,14 @@ struct FwdGeneralTile {
 
   TileRows<kRows> rows;  // this thread's rows (read_rows, under the tile's first GEMM)
   int batch, head, m0;
+  MaskRowSummaries summaries;  // the boolean mask's, of the tile's rows (fwd_tile_summaries)
   bool score_mods;       // score modifiers run on every block
   float prefix_slope;    // ALiBi's slope in raw-score units, for the tensor cores' prefix
   bool alibi_prefix;     // this tile's ALiBi runs on the tensor cores
   bool alibi_in_scores;  // what apply_policy is told of the loop's scores
 
   __forceinline__ __device__ FwdGeneralTile(const AttentionParams& p, const TileCoord& t, int m0_)
-      : batch(t.batch), head(t.head), m0(m0_) {
+      : batch(t.batch), head(t.head), m0(m0_), summaries(fwd_tile_summaries<Traits, kPolicies>(p, t)) {
     // The prefix kernel always has slopes (fwd_launch.h runs it for calls with ALiBi only; without
     // them its prefix and shifts would add zeros): a compile-time true there.
     score_mods = kAlibiPrefix || ((kPolicies & kScoreMods) && p.mask.has_score_mod());
@@ -63,9 +65,8 @@ struct FwdGeneralTile {
   __forceinline__ __device__ int needs(const AttentionParams& p, int n_block) const {
     int needs = block_needs<kPolicies>(p, rows, n_block);
     if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
-      const PackedMaskView& mask = p.mask.packed_mask;
-      if (mask.present() &&
-          mask.block_kind(batch, head, m0, Traits::kBlockM, n_block * kBlockN, kBlockN) != MaskTileKind::kFull)
+      constexpr int kRowBlocks = (Traits::kBlockM + kMaskTileRows - 1) / kMaskTileRows;
+      if (summaries.template block_kind<kRowBlocks>(n_block * kBlockN, kBlockN) != MaskTileKind::kFull)
         needs |= kNeedsMask;
     }
     return needs;

@@ -196,7 +196,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
   clear(tOrO);
 
   // The next block's summaries are read a block ahead, under the GEMMs.
-  int next_n = fwd_prev_block<Traits, kPolicies>(p.attn, work, n);
+  int next_n = fwd_prev_block<Traits, kPolicies>(general.summaries, work, n);
 #pragma unroll 1
   for (n = next_n; n >= work.n_begin; n = next_n) {
     PipelineState read_v = read;  // V of the previous block
@@ -213,7 +213,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
     gemm</*zero_init=*/false, /*wait=*/-1>(f.mma_pv, tOrP, f.tOrV(_, _, _, read_v.index()), tOrO);
     sched_arrive();
     needs = kGeneral ? general.needs(p.attn, n) : 0;
-    next_n = fwd_prev_block<Traits, kPolicies>(p.attn, work, n);
+    next_n = fwd_prev_block<Traits, kPolicies>(general.summaries, work, n);
     warpgroup_wait<1>();  // S is ready; P·V still running
     pipeline_k.consumer_release(read);
     release_q_after(n);

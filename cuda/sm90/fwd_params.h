@@ -80,18 +80,25 @@ __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, co
 // it holds a visible key). The producer and the consumers walk the same blocks with it, so a block
 // that no row of the tile sees is neither loaded nor computed.
 template <typename Traits, int kPolicies>
-__forceinline__ __device__ int fwd_prev_block(const AttentionParams& p, const TileWork& w, int n_block) {
+__forceinline__ __device__ int fwd_prev_block(const MaskRowSummaries& summaries, const TileWork& w, int n_block) {
+  constexpr int kRowBlocks = (Traits::kBlockM + kMaskTileRows - 1) / kMaskTileRows;
   int n = n_block - 1;
   if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
-    const PackedMaskView& mask = p.mask.packed_mask;
-    if (mask.present()) {
-      const int m0 = w.coord.m_block * Traits::kBlockM;
-      while (n > w.n_begin && mask.block_kind(w.coord.batch, w.coord.head, m0, Traits::kBlockM, n * Traits::kBlockN,
-                                              Traits::kBlockN) == MaskTileKind::kEmpty)
-        --n;
-    }
+    // Without a mask the summaries have no rows and every block reads as full.
+    while (n > w.n_begin &&
+           summaries.template block_kind<kRowBlocks>(n * Traits::kBlockN, Traits::kBlockN) == MaskTileKind::kEmpty)
+      --n;
   }
   return n;
+}
+
+// The boolean mask's summaries of tile w's rows, taken once per tile for fwd_prev_block and the
+// consumers' tests; none on kernels without the mask.
+template <typename Traits, int kPolicies>
+__forceinline__ __device__ MaskRowSummaries fwd_tile_summaries(const AttentionParams& p, const TileCoord& t) {
+  if constexpr ((kPolicies & kPolicyBoolMask) != 0)
+    return p.mask.packed_mask.row_summaries(t.batch, t.head, int64_t(t.m_block) * Traits::kBlockM, Traits::kBlockM);
+  return MaskRowSummaries{};
 }
 
 }  // namespace jfa::sm90

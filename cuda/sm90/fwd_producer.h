@@ -35,6 +35,7 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
   TileWork work = fwd_tile_work<Traits, kCausal, kPolicies>(p, sched, blockIdx.x);
   for (int iter = 0; work.tile < p.num_tiles; ++iter) {
     const TileCoord t = work.coord;
+    const MaskRowSummaries summaries = fwd_tile_summaries<Traits, kPolicies>(p.attn, t);
     const int kv_head = t.head / p.group;
     Tensor gK = local_tile(mK(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gV = local_tile(mV(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -62,7 +63,7 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
     // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
     auto load_step = [&] {
-      const int prev = fwd_prev_block<Traits, kPolicies>(p.attn, work, n);
+      const int prev = fwd_prev_block<Traits, kPolicies>(summaries, work, n);
       PipelineState write_v = write;
       ++write;
       load_k(prev, write);

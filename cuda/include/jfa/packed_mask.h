@@ -56,6 +56,35 @@ JFA_HOST_DEVICE bool mask_row_has_key(const uint32_t* row, int64_t j) {
   return (row[((j >> 7) << 2) | ((j >> 1) & 3)] >> (((j >> 2) & 30) | (j & 1))) & 1u;
 }
 
+// The tile summaries of one kernel tile's query rows (their row blocks inside T), for a key loop
+// that asks about every key block: the (batch, head, row block) offset is taken once per tile, and
+// each block's question is a byte or two at 32-bit offsets (the 64-bit index arithmetic per block
+// roughly doubled the instructions of the Hopper forward's boolean-mask kernel).
+struct MaskRowSummaries {
+  const uint8_t* first = nullptr;  // the first row block's summaries, one byte per chunk of keys
+  int chunks = 0;                  // summaries per row block: the stride between row blocks
+  int row_blocks = 0;              // row blocks of the tile inside T (0: none)
+
+  // Keys [j0, j0 + cols) over the tile's rows: PackedMaskView::block_kind's answer. kMaxRowBlocks
+  // bounds row_blocks (the tile's rows / kMaskTileRows, rounded up) so that the loop unrolls.
+  template <int kMaxRowBlocks>
+  JFA_HOST_DEVICE MaskTileKind block_kind(int j0, int cols) const {
+    const int c0 = j0 / kMaskChunkKeys, c_last = (j0 + cols - 1) / kMaskChunkKeys;
+    const int c1 = c_last < chunks - 1 ? c_last : chunks - 1;
+    bool any = false, all = true;
+    for (int rb = 0; rb < kMaxRowBlocks; ++rb) {
+      if (rb >= row_blocks) break;
+      for (int c = c0; c <= c1; ++c) {
+        const auto kind = static_cast<MaskTileKind>(first[rb * chunks + c]);
+        any = any || kind != MaskTileKind::kEmpty;
+        all = all && kind == MaskTileKind::kFull;
+      }
+    }
+    if (row_blocks <= 0 || c0 > c1) return MaskTileKind::kFull;
+    return !any ? MaskTileKind::kEmpty : all ? MaskTileKind::kFull : MaskTileKind::kPartial;
+  }
+};
+
 // The two arrays of a PackedMask, broadcast to [B, N, ...] by strides (0 on a size-1 axis).
 struct PackedMaskView {
   const uint32_t* bits = nullptr;
@@ -94,6 +123,18 @@ struct PackedMaskView {
       }
     if (rb0 > rb1 || c0 > c1) return MaskTileKind::kFull;
     return !any ? MaskTileKind::kEmpty : all ? MaskTileKind::kFull : MaskTileKind::kPartial;
+  }
+
+  // The summaries of rows [i0, i0 + rows) of (b, n) (MaskRowSummaries); absent mask: none.
+  JFA_HOST_DEVICE MaskRowSummaries row_summaries(int64_t b, int64_t n, int64_t i0, int64_t rows) const {
+    MaskRowSummaries s;
+    if (!present()) return s;
+    const int64_t rb0 = i0 / kMaskTileRows, rb_last = (i0 + rows - 1) / kMaskTileRows;
+    const int64_t rb1 = rb_last < row_blocks - 1 ? rb_last : row_blocks - 1;
+    s.first = tiles + b * tiles_batch_stride + n * tiles_head_stride + rb0 * chunks;
+    s.chunks = static_cast<int>(chunks);
+    s.row_blocks = rb1 >= rb0 ? static_cast<int>(rb1 - rb0 + 1) : 0;
+    return s;
   }
 
   // Whether chunk c holds a visible key of some row of row blocks [rb0, rb1] (clamped to T).
