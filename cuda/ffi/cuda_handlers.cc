@@ -82,7 +82,6 @@ int device_capability() {
   }
   return cap;
 }
-#endif
 
 // The kernels for this call: the Hopper ones on a compute capability 9.0 device when they were
 // built for (dtype, head dim) and take the call, else the portable ones. JFA_FORCE_SM80=1 forces
@@ -90,14 +89,11 @@ int device_capability() {
 // time both (benchmarks/bench_attention.py sets it around its jax_flashattn_sm80 rows); a jitted
 // function captured into a CUDA graph keeps the kernels it was captured with.
 bool hopper_allowed() {
-#ifdef JFA_HAS_SM90
   const char* force = std::getenv("JFA_FORCE_SM80");
   const bool forced = force != nullptr && std::strcmp(force, "1") == 0;
   return !forced && device_capability() == 90;
-#else
-  return false;
-#endif
 }
+#endif
 
 cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
 #ifdef JFA_HAS_SM90

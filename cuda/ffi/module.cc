@@ -47,12 +47,11 @@ NB_MODULE(_jax_flashattn, m) {
 #endif
   });
 
-  m.def("cuda_head_dim", [](int dtype, int head_dim) -> int {
+  m.def("cuda_head_dim", [](int head_dim) -> int {
 #ifdef JFA_WITH_CUDA
-    (void)dtype;
     return jfa::sm80::round_up_head_dim(head_dim);
 #else
-    (void)dtype; (void)head_dim;
+    (void)head_dim;
     return -1;
 #endif
   }, "Smallest head dim built for the CUDA kernels that is >= head_dim, or -1.");
