@@ -34,7 +34,7 @@ def has_cuda() -> bool:
 def cuda_head_dim(head_dim: int) -> int:
     """Smallest head dim with a built CUDA kernel that is >= head_dim (-1 if none): every built
     head dim is built for every built dtype."""
-    return int(_lib.cuda_head_dim(0, int(head_dim)))
+    return int(_lib.cuda_head_dim(int(head_dim)))
 
 
 def build_info() -> dict:

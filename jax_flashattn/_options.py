@@ -21,6 +21,7 @@ import numpy as np
 
 from . import dropout as _dropout
 from ._mask_packing import packed_shapes
+from ._validate import concrete
 from .masks import PackedMask
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -111,6 +112,18 @@ def _per_batch(x, name, shape, unbatched, what):
     return x
 
 
+def _lengths(x, name, B, unbatched):
+    """Valid lengths, int32 [B]; values known at trace time must be >= 0 (traced ones count as 0)."""
+    # Read before jnp.asarray, which stages a NumPy array under jit as a traced constant.
+    values = concrete(x)
+    x = _per_batch(x, name, (B,), unbatched, "one length per batch element, [B]")
+    if values is not None and np.any(values < 0):
+        b = int(np.flatnonzero(values.reshape(-1) < 0)[0])
+        raise ValueError(f"{name} must be >= 0, got {int(values.reshape(-1)[b])} for batch element {b} "
+                         f"(shape {values.shape})")
+    return x
+
+
 def window(local_window_size):
     """(left, right) from an int or a pair of ints (jax.nn's meaning); (-1, -1) for None."""
     if local_window_size is None:
@@ -165,11 +178,9 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
     elif mask is not None:
         ex["mask"] = _bnts(mask, "mask", B, N, T, S, True)
     if query_seq_lengths is not None:
-        ex["query_seq_lengths"] = _per_batch(query_seq_lengths, "query_seq_lengths", (B,), unbatched,
-                                             "one length per batch element, [B]")
+        ex["query_seq_lengths"] = _lengths(query_seq_lengths, "query_seq_lengths", B, unbatched)
     if key_value_seq_lengths is not None:
-        ex["key_value_seq_lengths"] = _per_batch(key_value_seq_lengths, "key_value_seq_lengths", (B,),
-                                                 unbatched, "one length per batch element, [B]")
+        ex["key_value_seq_lengths"] = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B, unbatched)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     if q_segment_ids is not None:

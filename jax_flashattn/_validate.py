@@ -5,10 +5,19 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 IMPLEMENTATIONS = (None, "cpu", "cuda")
+
+
+def concrete(x):
+    """x as a NumPy array, or None while it is traced (its values then reach only the kernels)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def check_qkv(query, key, value):
@@ -39,7 +48,10 @@ def check_qkv(query, key, value):
                          f"value {value.shape}")
     if H == 0 or Hv == 0:
         raise ValueError(f"head dims must be >= 1: query {query.shape}, value {value.shape}")
-    if K == 0 or N % K != 0:
+    if N == 0 or K == 0:
+        raise ValueError(f"query and key/value need at least one head each, got N={N} query heads and "
+                         f"K={K} key/value heads: query {query.shape}, key {key.shape}")
+    if N % K != 0:
         raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}: "
                          f"query {query.shape}, key {key.shape}")
     return query.dtype

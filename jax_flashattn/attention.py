@@ -17,7 +17,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
 
     Args:
       query: [B, T, N, H] or unbatched [T, N, H]; float32, float16 or bfloat16.
-      key: [B, S, K, H] (or [S, K, H]); N must be a multiple of K (MHA, GQA, MQA).
+      key: [B, S, K, H] (or [S, K, H]); N must be a multiple of K (MHA, GQA, MQA), both >= 1.
       value: [B, S, K, Hv] (or [S, K, Hv]).
       scale: softmax scale applied to q·k; default 1/sqrt(H). A static Python float.
       is_causal: query i attends to keys j <= i (j <= i + S - T with causal_alignment
@@ -33,7 +33,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
         (jax_flashattn.pack_mask, block_mask) with T and S of this call, broadcast over B and N
         alike. Every kernel reads masks bit-packed (a boolean one is packed inside the call), skips
         the tiles its summaries mark empty and tests no element of those marked full.
-      query_seq_lengths, key_value_seq_lengths: int32 [B]: valid lengths, padding at the end.
+      query_seq_lengths, key_value_seq_lengths: int32 [B]: valid lengths, padding at the end;
+        negative values are a ValueError where known at trace time (traced ones count as 0).
       local_window_size: int w or (left, right): query at position p sees keys in
         [p - left, p + right] (jax.nn's meaning); with is_causal, the intersection.
       causal_alignment: 'top_left' (query i at position i) or 'bottom_right' (query i at

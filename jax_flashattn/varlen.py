@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import numbers
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._validate import concrete
 from .attention import flash_attention
 
 
@@ -48,15 +48,7 @@ def _check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"varlen_attention: {name} must be a static int >= 1, got {m!r}")
     for side, cu, rows, max_len in (("q", cu_seqlens_q, query.shape[0], max_seqlen_q),
                                     ("k", cu_seqlens_k, key.shape[0], max_seqlen_k)):
-        _check_offsets(f"cu_seqlens_{side}", _concrete(cu), rows, f"max_seqlen_{side}", max_len)
-
-
-def _concrete(x):
-    """x as a NumPy array, or None while it is traced (its values then reach only the kernels)."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
+        _check_offsets(f"cu_seqlens_{side}", concrete(cu), rows, f"max_seqlen_{side}", max_len)
 
 
 def _check_offsets(name, cu, rows, max_name, max_len):

@@ -111,6 +111,16 @@ def test_empty_key_sequence_gives_zero_output_and_neg_inf_lse():
     assert np.all(np.isneginf(np.asarray(lse)))
 
 
+@pytest.mark.parametrize("B, T", [(0, 5), (2, 0)], ids=["no-batch", "no-queries"])
+def test_empty_batch_or_queries_give_empty_outputs_and_zero_gradients(B, T):
+    q, k, v = random_qkv(fresh_seed(), B, T, 7, 2, 1, 16)
+    out, lse = jfa.flash_attention(q, k, v, return_lse=True)
+    assert out.shape == (B, T, 2, 16) and lse.shape == (B, T, 2)
+    grads = jax.grad(lambda q, k, v: jfa.flash_attention(q, k, v).sum(), (0, 1, 2))(q, k, v)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert not any(np.any(np.asarray(g)) for g in grads)
+
+
 def test_outputs_are_written_everywhere_for_large_values():
     """Large logits stress the online-softmax rescaling; the result stays finite and exact."""
     seed = fresh_seed()

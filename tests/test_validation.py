@@ -24,7 +24,10 @@ def _arrays(qs, ks, vs, dtype=F32):
     (((1, 4, 2, 16), (1, 4, 2, 16), (1, 5, 2, 16)), ValueError, ["value", "(1, 5, 2, 16)"]),
     (((1, 4, 4, 16), (1, 4, 2, 16), (1, 4, 1, 16)), ValueError, ["value"]),
     (((2, 4, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)), ValueError, ["query", "(2, 4, 2, 16)"]),
-], ids=["rank", "head-dim", "n-not-multiple-of-k", "value-length", "value-heads", "batch"])
+    (((1, 4, 0, 16), (1, 4, 1, 16), (1, 4, 1, 16)), ValueError, ["at least one head", "N=0", "(1, 4, 0, 16)"]),
+    (((1, 4, 0, 16), (1, 4, 0, 16), (1, 4, 0, 16)), ValueError, ["at least one head", "K=0", "key (1, 4, 0, 16)"]),
+], ids=["rank", "head-dim", "n-not-multiple-of-k", "value-length", "value-heads", "batch", "no-query-heads",
+        "no-heads"])
 def test_shape_errors_name_the_argument(fn, shapes, error, words):
     with pytest.raises(error) as info:
         jax.jit(fn)(*_arrays(*shapes))
@@ -110,6 +113,10 @@ def _qkv():
      ["key_value_seq_lengths", "(3,)", "(2,)"]),
     (dict(key_value_seq_lengths=jnp.array([3, 4], jnp.uint32)),
      TypeError, ["key_value_seq_lengths", "int32"]),
+    (dict(query_seq_lengths=jnp.array([-1, 4], jnp.int32)), ValueError,
+     ["query_seq_lengths", ">= 0", "-1", "batch element 0", "(2,)"]),
+    (dict(key_value_seq_lengths=np.array([12, -3], np.int32)), ValueError,
+     ["key_value_seq_lengths", ">= 0", "-3", "batch element 1", "(2,)"]),
     (dict(q_segment_ids=jnp.zeros((2, 9), jnp.int32), kv_segment_ids=jnp.zeros((2, 12), jnp.int32)),
      ValueError, ["q_segment_ids", "(2, 9)", "(2, 8)"]),
     (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, ["kv_segment_ids", "together"]),
@@ -140,6 +147,20 @@ def test_mask_keyword_errors_name_the_argument(kw, error, words):
         assert w in str(info.value), str(info.value)
 
 
+def test_traced_lengths_are_not_checked_at_trace_time():
+    """Values known only at run time reach the kernels, which count a negative length as 0."""
+    q, k, v = _qkv()
+    lengths = jnp.array([-1, 4], jnp.int32)
+    out = jax.jit(lambda q, k, v, n: jfa.flash_attention(q, k, v, query_seq_lengths=n))(q, k, v, lengths)
+    assert not np.any(np.asarray(out[0])) and np.any(np.asarray(out[1, :4]))
+
+
+def test_negative_lengths_of_an_unbatched_call_show_its_shape():
+    q, k, v = _arrays((8, 4, 16), (12, 2, 16), (12, 2, 16))
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must be >= 0, got -2 .*shape \(\)"):
+        jfa.flash_attention(q, k, v, key_value_seq_lengths=jnp.int32(-2))
+
+
 def test_dropin_checks_our_keywords_too():
     with pytest.raises(ValueError, match="softcap"):
         jfa.dot_product_attention(*_qkv(), softcap=0.0)
@@ -150,6 +171,8 @@ def test_dropin_checks_our_keywords_too():
                                   kv_segment_ids=jnp.zeros((2, 8), jnp.int32))
     with pytest.raises(ValueError, match="alibi_slopes"):
         jfa.dot_product_attention(*_qkv(), alibi_slopes=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="query_seq_lengths must be >= 0"):
+        jfa.dot_product_attention(*_qkv(), query_seq_lengths=jnp.array([2, -8], jnp.int32))
 
 
 def test_kernel_checks_operands_again():
