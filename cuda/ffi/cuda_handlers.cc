@@ -1,17 +1,16 @@
 // XLA FFI handlers for the CUDA platform: decode, check what the kernels support, launch on XLA's
 // stream. Workspace (the float32 dQ accumulator and D = rowsum(dO∘O) − dLSE; the Hopper forward's
-// tile counter) arrives as extra outputs that the lowering adds, so nothing is allocated per call and the handlers are safe to
-// capture in CUDA graphs.
+// tile counter) arrives as extra outputs that the lowering adds, so nothing is allocated per call and
+// the handlers are safe to capture in CUDA graphs.
 //
-// Beyond q, k, v the handlers take the same optional operands (rank 0 = absent; the boolean mask
-// bit-packed, as jax_flashattn.PackedMask holds it) and attributes as the CPU handlers, in the same
-// order (decode_mask.h), so that jax_flashattn lowers both platforms alike, plus the segment-id summaries the GPU kernels skip tiles with (rank 0 without segment
-// ids; jax_flashattn/_segment_chunks.py); d(bias) is a float32 result in the bias's shape,
-// accumulated by the kernels' atomics. On
-// sm90 the Hopper forward takes every mask feature and dropout (head dims 64, 128, 256), and the
-// Hopper backward plain and causal calls (head dims 64, 128); the rest runs on the portable kernels.
-// deterministic=True orders the backward's dQ adds (a semaphore workspace per dQ tile) and needs a
-// bias without broadcast axes.
+// Beyond the tensors the handlers take the same optional operands (rank 0 = absent; the boolean
+// mask bit-packed, as jax_flashattn.PackedMask holds it) and attributes as the CPU handlers
+// (attention_call.h), so that jax_flashattn lowers both platforms alike, plus the segment-id
+// summaries the GPU kernels skip tiles with (jax_flashattn/_segment_chunks.py); d(bias) is a float32
+// result in the bias's shape, accumulated by the kernels' atomics. On sm90 the Hopper kernels take
+// the calls sm90::can_implement and can_implement_backward accept; the rest runs on the portable
+// kernels. deterministic=True orders the backward's dQ adds (a semaphore workspace per dQ tile) and
+// needs a bias without broadcast axes.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -19,9 +18,8 @@
 #include <cstring>
 #include <string>
 
-#include "ffi/decode.h"
-#include "ffi/decode_mask.h"
-#include "ffi/decode_packed_mask.h"
+#include "ffi/attention_call.h"
+#include "ffi/decode_attention.h"
 #include "ffi/handlers.h"
 #include "sm80/api.h"
 #ifdef JFA_HAS_SM90
@@ -32,11 +30,28 @@ namespace jfa {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_decode::decode_backward;
-using ffi_decode::decode_forward;
 using ffi_decode::invalid;
-using ffi_decode::MaskAttrs;
-using ffi_decode::MaskOperands;
+
+#define JFA_CUDA_FORWARD(ARG, RET, ATTR)                                                      \
+  JFA_FORWARD_TENSORS(ARG) JFA_MASK_OPERANDS(ARG) JFA_SEGMENT_CHUNK_OPERANDS(ARG)              \
+  JFA_FORWARD_RESULTS(RET) RET(tile_counter) /* int32 [1], the Hopper scheduler's */          \
+  JFA_ATTRS(ATTR)
+// dslopes: float32 [B, N, ceil(S/64)] partial sums. Workspace: dq_accum float32 [lanes, B, N,
+// padded T, H], softmax_d float32 [2, B, N, padded T], dq_semaphore int32 [lanes, B, N, ceil(T/64)],
+// dkv_accum float32 [2, B, K, padded S, H] (causal GQA; else rank 0).
+#define JFA_CUDA_BACKWARD(ARG, RET, ATTR)                                                     \
+  JFA_BACKWARD_TENSORS(ARG) JFA_MASK_OPERANDS(ARG) JFA_SEGMENT_CHUNK_OPERANDS(ARG)             \
+  JFA_BACKWARD_RESULTS(RET) RET(dq_accum) RET(softmax_d) RET(dq_semaphore) RET(dkv_accum)    \
+  JFA_ATTRS(ATTR) ATTR(int32_t, deterministic)
+
+struct ForwardCall {
+  cudaStream_t stream;
+  JFA_FFI_CALL_FIELDS(JFA_CUDA_FORWARD)
+};
+struct BackwardCall {
+  cudaStream_t stream;
+  JFA_FFI_CALL_FIELDS(JFA_CUDA_BACKWARD)
+};
 
 // What the CUDA kernels need beyond a valid attention call.
 ffi::Error check_cuda_support(const AttentionParams& p) {
@@ -106,184 +121,91 @@ ffi::Error launched(cudaError_t err, const char* what) {
                               " kernel launch failed: " + cudaGetErrorString(err));
 }
 
-ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer bias, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_tiles, ffi::AnyBuffer q_lengths,
-                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer q_segment_ids,
-                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer alibi_slopes,
-                       ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions, ffi::AnyBuffer q_segment_chunks,
-                       ffi::AnyBuffer kv_segment_chunks, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> tile_counter,
-                       float scale, int32_t is_causal,
-                       int32_t bottom_right, int64_t window_left, int64_t window_right,
-                       float softcap, float dropout_rate) {
+ffi::Error ForwardCuda(ForwardCall c) {
   AttentionParams p;
-  if (auto e = decode_forward(q, k, v, *o, *lse, scale, is_causal, &p); e.failure()) return e;
-  const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds, positions};
-  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
-  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
-  if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
-  if (auto e = check_cuda_support(p); e.failure()) return e;
-  if (auto e = ffi_decode::expect(*tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
+  if (auto e = ffi_decode::decode_forward_call(c, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_segment_chunks(c.q_segment_chunks, c.kv_segment_chunks, &p); e.failure())
     return e;
-  p.tile_counter = static_cast<int32_t*>(tile_counter->untyped_data());
+  if (auto e = check_cuda_support(p); e.failure()) return e;
+  if (auto e = ffi_decode::expect(*c.tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
+    return e;
+  p.tile_counter = static_cast<int32_t*>(c.tile_counter->untyped_data());
   if (p.B == 0 || p.T == 0 || p.N == 0) return ffi::Error::Success();
-  return launched(forward_dispatch(p, stream), "forward");
+  return launched(forward_dispatch(p, c.stream), "forward");
 }
 
-ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                        ffi::AnyBuffer dlse, ffi::AnyBuffer bias, ffi::AnyBuffer mask_bits, ffi::AnyBuffer mask_tiles,
-                        ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer positions,
-                        ffi::AnyBuffer q_segment_chunks, ffi::AnyBuffer kv_segment_chunks,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> dslopes, ffi::Result<ffi::AnyBuffer> dq_accum,
-                        ffi::Result<ffi::AnyBuffer> softmax_d, ffi::Result<ffi::AnyBuffer> dq_semaphore,
-                        ffi::Result<ffi::AnyBuffer> dkv_accum,
-                        float scale, int32_t is_causal, int32_t bottom_right, int64_t window_left,
-                        int64_t window_right, float softcap, float dropout_rate, int32_t deterministic) {
+ffi::Error BackwardCuda(BackwardCall c) {
   AttentionParams p;
-  if (auto e = decode_backward(q, k, v, o, lse, dout, dlse, *dq, *dk, *dv, scale, is_causal, &p);
-      e.failure())
+  if (auto e = ffi_decode::decode_backward_call(c, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_segment_chunks(c.q_segment_chunks, c.kv_segment_chunks, &p); e.failure())
     return e;
-  const MaskOperands extra{bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes,
-                           dropout_seeds, positions};
-  const MaskAttrs attrs{bottom_right, window_left, window_right, softcap, dropout_rate};
-  if (auto e = ffi_decode::decode_mask(extra, attrs, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_packed_mask(mask_bits, mask_tiles, p, &p.mask.packed_mask); e.failure()) return e;
-  if (auto e = ffi_decode::decode_segment_chunks(q_segment_chunks, kv_segment_chunks, &p); e.failure()) return e;
-  if (auto e = ffi_decode::decode_dbias(*dbias, /*allow_full=*/true, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_dbias(*c.dbias, /*allow_full=*/true, &p); e.failure()) return e;
   // One slot per 64 keys: a backward CTA owns a key tile of 64 or 128 keys (sm80/kernel_traits.h).
-  if (auto e = ffi_decode::decode_dslopes(*dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
+  if (auto e = ffi_decode::decode_dslopes(*c.dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
     return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
   // The deterministic mode's dQ lanes (sm80/dq_accum.h): kDqLanes copies of the accumulator.
-  const int64_t lanes = deterministic != 0 ? kDqLanes : 1;
-  if (auto e = ffi_decode::expect(*dq_accum, "dq workspace", {lanes, p.B, p.N, p.dq_accum_rows(), p.H},
+  const int64_t lanes = c.deterministic != 0 ? kDqLanes : 1;
+  if (auto e = ffi_decode::expect(*c.dq_accum, "dq workspace", {lanes, p.B, p.N, p.dq_accum_rows(), p.H},
                                   ffi::DataType::F32);
       e.failure())
     return e;
   // Row statistics (params.h): D, and LSE·log2 e for the Hopper backward, in padded rows.
-  if (auto e = ffi_decode::expect(*softmax_d, "row statistics workspace", {2, p.B, p.N, p.dq_accum_rows()},
+  if (auto e = ffi_decode::expect(*c.softmax_d, "row statistics workspace", {2, p.B, p.N, p.dq_accum_rows()},
                                   ffi::DataType::F32);
       e.failure())
     return e;
-  if (auto e = ffi_decode::expect(*dq_semaphore, "dq semaphore workspace",
+  if (auto e = ffi_decode::expect(*c.dq_semaphore, "dq semaphore workspace",
                                   {lanes, p.B, p.N, p.dq_semaphores_per_head()}, ffi::DataType::S32);
       e.failure())
     return e;
-  if (deterministic != 0 && p.mask.dbias != nullptr) {
+  if (c.deterministic != 0 && p.mask.dbias != nullptr) {
     const int64_t full[4] = {p.B, p.N, p.T, p.S};
     for (int a = 0; a < 4; ++a)
       if (p.mask.dbias_dims[a] != full[a])
         return invalid("deterministic=True on the GPU needs the dbias output in the full [B, N, T, S] shape "
                        "(a bias's broadcast axes would otherwise be summed with float atomics), got " +
-                       ffi_decode::shape_str(dbias->dimensions()));
+                       ffi_decode::shape_str(c.dbias->dimensions()));
   }
   // GQA's dK and dV partial sums (params.h): rank 0 where the lowering has none to give.
-  if (dkv_accum->dimensions().size() != 0) {
-    if (auto e = ffi_decode::expect(*dkv_accum, "dk/dv workspace", {2, p.B, p.K, p.dkv_accum_rows(), p.H},
+  if (c.dkv_accum->dimensions().size() != 0) {
+    if (auto e = ffi_decode::expect(*c.dkv_accum, "dk/dv workspace", {2, p.B, p.K, p.dkv_accum_rows(), p.H},
                                     ffi::DataType::F32);
         e.failure())
       return e;
-    p.dkv_accum = static_cast<float*>(dkv_accum->untyped_data());
+    p.dkv_accum = static_cast<float*>(c.dkv_accum->untyped_data());
   }
-  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
-  p.softmax_d = static_cast<float*>(softmax_d->untyped_data());
-  p.deterministic = deterministic != 0;
-  p.dq_semaphore = static_cast<int32_t*>(dq_semaphore->untyped_data());
+  p.dq_accum = static_cast<float*>(c.dq_accum->untyped_data());
+  p.softmax_d = static_cast<float*>(c.softmax_d->untyped_data());
+  p.deterministic = c.deterministic != 0;
+  p.dq_semaphore = static_cast<int32_t*>(c.dq_semaphore->untyped_data());
   if (p.B == 0 || p.N == 0 || (p.T == 0 && p.S == 0)) {
     // Nothing to launch; d(bias) and d(slopes) (maybe non-empty) are still all zeros.
     if (p.mask.dbias != nullptr) {
       const int64_t* d = p.mask.dbias_dims;
       const size_t bytes = size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float);
       if (bytes > 0)
-        if (auto e = launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, stream), "dbias memset"); e.failure())
+        if (auto e = launched(cudaMemsetAsync(p.mask.dbias, 0, bytes, c.stream), "dbias memset"); e.failure())
           return e;
     }
     if (p.mask.dslopes != nullptr) {
       const size_t bytes = size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float);
-      if (bytes > 0) return launched(cudaMemsetAsync(p.mask.dslopes, 0, bytes, stream), "dslopes memset");
+      if (bytes > 0) return launched(cudaMemsetAsync(p.mask.dslopes, 0, bytes, c.stream), "dslopes memset");
     }
     return ffi::Error::Success();
   }
-  return launched(backward_dispatch(p, p.softmax_d + p.B * p.N * p.dq_accum_rows(), stream), "backward");
+  return launched(backward_dispatch(p, p.softmax_d + p.B * p.N * p.dq_accum_rows(), c.stream), "backward");
 }
 
 }  // namespace
 }  // namespace jfa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ForwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask bits, uint32 [B|1, N|1, T, ceil(S/128)*4]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask tile summaries, uint8 [B|1, N|1, ceil(T/64), ceil(S/128)]
-                                  .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
-                                  .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
-                                  .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
-                                  .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
-                                  .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
-                                  .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
-                                  .Ret<xla::ffi::AnyBuffer>()  // o
-                                  .Ret<xla::ffi::AnyBuffer>()  // lse
-                                  .Ret<xla::ffi::AnyBuffer>()  // tile counter workspace, int32 [1] (Hopper scheduler)
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("bottom_right")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("dropout_rate"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaForwardCuda, jfa::ffi_call::packed<jfa::ForwardCall>(jfa::ForwardCuda),
+                              xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  JFA_FFI_BIND(JFA_CUDA_FORWARD),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::BackwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // o
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse
-                                  .Arg<xla::ffi::AnyBuffer>()  // dout
-                                  .Arg<xla::ffi::AnyBuffer>()  // dlse
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias, float32 broadcastable to [B, N, T, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask bits, uint32 [B|1, N|1, T, ceil(S/128)*4]
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask tile summaries, uint8 [B|1, N|1, ceil(T/64), ceil(S/128)]
-                                  .Arg<xla::ffi::AnyBuffer>()  // query_seq_lengths, int32 [B]
-                                  .Arg<xla::ffi::AnyBuffer>()  // key_value_seq_lengths, int32 [B]
-                                  .Arg<xla::ffi::AnyBuffer>()  // q_segment_ids, int32 [B, T]
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv_segment_ids, int32 [B, S]
-                                  .Arg<xla::ffi::AnyBuffer>()  // alibi_slopes, float32 [1 or B, N]
-                                  .Arg<xla::ffi::AnyBuffer>()  // dropout seeds, uint32 [B, 3]
-                                  .Arg<xla::ffi::AnyBuffer>()  // positions of query row 0 and key 0, int32 [B, 2]
-                                  .Arg<xla::ffi::AnyBuffer>()  // q segment summaries, int32 [B, ceil(T/16), 8]
-                                  .Arg<xla::ffi::AnyBuffer>()  // kv segment summaries, int32 [B, ceil(S/16), 8]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Ret<xla::ffi::AnyBuffer>()  // dbias, float32 in the bias's shape (rank 0 without a bias)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dslopes, float32 [B, N, ceil(S/64)] partial sums (rank 0 without ALiBi)
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq workspace, float32 [B, N, padded T, H]
-                                  .Ret<xla::ffi::AnyBuffer>()  // row statistics workspace, float32 [2, B, N, padded T]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq semaphore workspace, int32 [B, N, ceil(T/64)]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk/dv workspace, float32 [2, B, K, padded S, H] (causal GQA; else rank 0)
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("is_causal")
-                                  .Attr<int32_t>("bottom_right")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<int32_t>("deterministic"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaBackwardCuda, jfa::ffi_call::packed<jfa::BackwardCall>(jfa::BackwardCuda),
+                              xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  JFA_FFI_BIND(JFA_CUDA_BACKWARD),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -16,20 +16,6 @@
 
 namespace jfa::ffi_decode {
 
-// The optional operands other than the mask, in the handlers' order.
-struct MaskOperands {
-  ffi::AnyBuffer bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, dropout_seeds,
-      positions;
-};
-
-// The scalar attributes that go with them.
-struct MaskAttrs {
-  int32_t bottom_right;
-  int64_t window_left, window_right;  // -1: unbounded
-  float softcap;                      // 0: off
-  float dropout_rate;                 // 0: off
-};
-
 inline bool present(const ffi::AnyBuffer& b) { return b.dimensions().size() != 0; }
 
 // `buf` of rank 4 whose dims are 1 or the matching dim of [B, N, T, S]; returns broadcast strides.
@@ -48,20 +34,23 @@ inline ffi::Error broadcast_bnts(const ffi::AnyBuffer& buf, const char* name, ff
   return ffi::Error::Success();
 }
 
-inline ffi::Error decode_mask(const MaskOperands& x, const MaskAttrs& a, AttentionParams* p) {
+// The operands and attributes of `x`, an attention call (attention_call.h), other than the packed
+// mask's, into p->mask.
+template <typename Call>
+ffi::Error decode_mask(const Call& x, AttentionParams* p) {
   MaskParams& m = p->mask;
-  m.bottom_right = a.bottom_right != 0;
-  if (a.window_left < -1 || a.window_right < -1)
-    return invalid("local_window_size must be >= 0 on each side, got (" + std::to_string(a.window_left) +
-                   ", " + std::to_string(a.window_right) + ")");
-  m.window_left = a.window_left;
-  m.window_right = a.window_right;
-  if (!(a.softcap >= 0.f) || !std::isfinite(a.softcap))
-    return invalid("softcap must be a positive finite float, got " + std::to_string(a.softcap));
-  m.softcap = a.softcap;
-  if (!(a.dropout_rate >= 0.f && a.dropout_rate < 1.f))
-    return invalid("dropout_rate must be in [0, 1), got " + std::to_string(a.dropout_rate));
-  m.dropout_rate = a.dropout_rate;
+  m.bottom_right = x.bottom_right != 0;
+  if (x.window_left < -1 || x.window_right < -1)
+    return invalid("local_window_size must be >= 0 on each side, got (" + std::to_string(x.window_left) +
+                   ", " + std::to_string(x.window_right) + ")");
+  m.window_left = x.window_left;
+  m.window_right = x.window_right;
+  if (!(x.softcap >= 0.f) || !std::isfinite(x.softcap))
+    return invalid("softcap must be a positive finite float, got " + std::to_string(x.softcap));
+  m.softcap = x.softcap;
+  if (!(x.dropout_rate >= 0.f && x.dropout_rate < 1.f))
+    return invalid("dropout_rate must be in [0, 1), got " + std::to_string(x.dropout_rate));
+  m.dropout_rate = x.dropout_rate;
 
   if (present(x.bias)) {
     if (auto e = broadcast_bnts(x.bias, "bias", ffi::DataType::F32, "float32", *p, &m.bias_strides); e.failure())

@@ -118,4 +118,23 @@ inline ffi::Error decode_attn_dist(const ffi::AnyBuffer& q, const ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// The three calls from their call structs (the members sparse_call.h lists).
+template <typename Call>
+ffi::Error decode_sparse_forward_call(Call& c, SparseParams* p) {
+  return decode_sparse_forward(c.q, c.k, c.v, c.indices, *c.o, *c.lse, {c.scale, c.is_causal, c.bottom_right},
+                               c.value_head_dim, p);
+}
+
+template <typename Call>
+ffi::Error decode_sparse_backward_call(Call& c, SparseParams* p) {
+  return decode_sparse_backward(c.q, c.k, c.v, c.indices, c.o, c.lse, c.dout, c.dlse, *c.dq, *c.dk, *c.dv,
+                                {c.scale, c.is_causal, c.bottom_right}, c.value_head_dim, p);
+}
+
+template <typename Call>
+ffi::Error decode_attn_dist_call(Call& c, SparseParams* p) {
+  return decode_attn_dist(c.q, c.k, c.indices, c.lse, *c.dist, {c.scale, c.is_causal, c.bottom_right},
+                          c.head_group, p);
+}
+
 }  // namespace jfa::ffi_decode

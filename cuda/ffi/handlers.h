@@ -1,20 +1,19 @@
-// The FFI handler symbols this extension exports, per platform.
+// The FFI handler symbols this extension exports, per platform: each handler's target name (the
+// key jax_flashattn/_ext.py looks up) and symbol stem, written once for declaration and module.cc.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaForwardCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaBackwardCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaPackMaskCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaSparseForwardCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaSparseBackwardCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaAttnDistCpu);
+// X(target, stem): the handler is symbol stem##Cpu on the CPU and stem##Cuda on the GPU.
+#define JFA_HANDLERS(X)                                                                      \
+  X("jfa_attention_fwd", JfaForward) X("jfa_attention_bwd", JfaBackward)                     \
+  X("jfa_pack_mask", JfaPackMask) X("jfa_sparse_fwd", JfaSparseForward)                      \
+  X("jfa_sparse_bwd", JfaSparseBackward) X("jfa_attn_dist", JfaAttnDist)
+
+#define JFA_DECLARE_CPU_HANDLER(target, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
+JFA_HANDLERS(JFA_DECLARE_CPU_HANDLER)
 
 #ifdef JFA_WITH_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaForwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaBackwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaPackMaskCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaSparseForwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaSparseBackwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JfaAttnDistCuda);
+#define JFA_DECLARE_CUDA_HANDLER(target, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);
+JFA_HANDLERS(JFA_DECLARE_CUDA_HANDLER)
 #endif

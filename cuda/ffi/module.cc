@@ -25,24 +25,16 @@ NB_MODULE(_jax_flashattn, m) {
 
   m.def("cpu_targets", []() {
     nb::dict d;
-    d["jfa_attention_fwd"] = as_capsule(JfaForwardCpu);
-    d["jfa_attention_bwd"] = as_capsule(JfaBackwardCpu);
-    d["jfa_pack_mask"] = as_capsule(JfaPackMaskCpu);
-    d["jfa_sparse_fwd"] = as_capsule(JfaSparseForwardCpu);
-    d["jfa_sparse_bwd"] = as_capsule(JfaSparseBackwardCpu);
-    d["jfa_attn_dist"] = as_capsule(JfaAttnDistCpu);
+#define JFA_CPU_TARGET(target, stem) d[target] = as_capsule(stem##Cpu);
+    JFA_HANDLERS(JFA_CPU_TARGET)
     return d;
   });
 
   m.def("cuda_targets", []() {
     nb::dict d;
 #ifdef JFA_WITH_CUDA
-    d["jfa_attention_fwd"] = as_capsule(JfaForwardCuda);
-    d["jfa_attention_bwd"] = as_capsule(JfaBackwardCuda);
-    d["jfa_pack_mask"] = as_capsule(JfaPackMaskCuda);
-    d["jfa_sparse_fwd"] = as_capsule(JfaSparseForwardCuda);
-    d["jfa_sparse_bwd"] = as_capsule(JfaSparseBackwardCuda);
-    d["jfa_attn_dist"] = as_capsule(JfaAttnDistCuda);
+#define JFA_CUDA_TARGET(target, stem) d[target] = as_capsule(stem##Cuda);
+    JFA_HANDLERS(JFA_CUDA_TARGET)
 #endif
     return d;
   });

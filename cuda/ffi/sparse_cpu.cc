@@ -2,46 +2,45 @@
 #include "cpu/sparse_attention.h"
 #include "ffi/decode_sparse.h"
 #include "ffi/handlers.h"
+#include "ffi/sparse_call.h"
 
 namespace jfa {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_decode::SparseAttrs;
 
-ffi::Error SparseForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer indices,
-                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                            int32_t is_causal, int32_t bottom_right, int64_t value_head_dim) {
+#define JFA_SPARSE_BACKWARD_CPU(ARG, RET, ATTR)                                               \
+  JFA_SPARSE_BACKWARD_OPERANDS(ARG) JFA_SPARSE_BACKWARD_RESULTS(RET) JFA_SPARSE_ATTRS(ATTR) \
+  ATTR(int64_t, value_head_dim) ATTR(int32_t, deterministic)
+
+struct SparseForwardCall {
+  JFA_FFI_CALL_FIELDS(JFA_SPARSE_FORWARD)
+};
+struct SparseBackwardCall {
+  JFA_FFI_CALL_FIELDS(JFA_SPARSE_BACKWARD_CPU)
+};
+struct AttnDistCall {
+  JFA_FFI_CALL_FIELDS(JFA_ATTN_DIST)
+};
+
+ffi::Error SparseForwardCpu(SparseForwardCall c) {
   SparseParams p;
-  const SparseAttrs attrs{scale, is_causal, bottom_right};
-  if (auto e = ffi_decode::decode_sparse_forward(q, k, v, indices, *o, *lse, attrs, value_head_dim, &p); e.failure())
-    return e;
+  if (auto e = ffi_decode::decode_sparse_forward_call(c, &p); e.failure()) return e;
   cpu::sparse_forward(p);
   return ffi::Error::Success();
 }
 
-ffi::Error SparseBackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer indices,
-                             ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
-                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                             ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t is_causal, int32_t bottom_right,
-                             int64_t value_head_dim, int32_t deterministic) {
+ffi::Error SparseBackwardCpu(SparseBackwardCall c) {
   SparseParams p;
-  const SparseAttrs attrs{scale, is_causal, bottom_right};
-  if (auto e = ffi_decode::decode_sparse_backward(q, k, v, indices, o, lse, dout, dlse, *dq, *dk, *dv, attrs,
-                                                  value_head_dim, &p);
-      e.failure())
-    return e;
-  p.deterministic = deterministic != 0;  // the CPU backward is always deterministic
+  if (auto e = ffi_decode::decode_sparse_backward_call(c, &p); e.failure()) return e;
+  p.deterministic = c.deterministic != 0;  // the CPU backward is always deterministic
   cpu::sparse_backward(p);
   return ffi::Error::Success();
 }
 
-ffi::Error AttnDistCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer indices, ffi::AnyBuffer lse,
-                       ffi::Result<ffi::AnyBuffer> dist, float scale, int32_t is_causal, int32_t bottom_right,
-                       int64_t head_group) {
+ffi::Error AttnDistCpu(AttnDistCall c) {
   SparseParams p;
-  const SparseAttrs attrs{scale, is_causal, bottom_right};
-  if (auto e = ffi_decode::decode_attn_dist(q, k, indices, lse, *dist, attrs, head_group, &p); e.failure()) return e;
+  if (auto e = ffi_decode::decode_attn_dist_call(c, &p); e.failure()) return e;
   cpu::attn_dist(p);
   return ffi::Error::Success();
 }
@@ -49,46 +48,13 @@ ffi::Error AttnDistCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer indice
 }  // namespace
 }  // namespace jfa
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaSparseForwardCpu, jfa::SparseForwardCpu,
-    xla::ffi::Ffi::Bind()
-      .Arg<xla::ffi::AnyBuffer>()  // q [B, T, N, H]
-      .Arg<xla::ffi::AnyBuffer>()  // k [B, S, K, H]
-      .Arg<xla::ffi::AnyBuffer>()  // v [B, S, K, Hv], or rank 0: V = k[..., :value_head_dim]
-      .Arg<xla::ffi::AnyBuffer>()  // indices int32 [B, T, K, topk]
-      .Ret<xla::ffi::AnyBuffer>()  // o [B, T, N, Hv]
-      .Ret<xla::ffi::AnyBuffer>()  // lse float32 [B, T, N]
-      .Attr<float>("scale")
-      .Attr<int32_t>("is_causal")
-      .Attr<int32_t>("bottom_right")
-      .Attr<int64_t>("value_head_dim"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaSparseForwardCpu,
+                              jfa::ffi_call::packed<jfa::SparseForwardCall>(jfa::SparseForwardCpu),
+                              xla::ffi::Ffi::Bind() JFA_FFI_BIND(JFA_SPARSE_FORWARD));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaSparseBackwardCpu, jfa::SparseBackwardCpu,
-    xla::ffi::Ffi::Bind()
-      .Arg<xla::ffi::AnyBuffer>()  // q
-      .Arg<xla::ffi::AnyBuffer>()  // k
-      .Arg<xla::ffi::AnyBuffer>()  // v, or rank 0
-      .Arg<xla::ffi::AnyBuffer>()  // indices
-      .Arg<xla::ffi::AnyBuffer>()  // o
-      .Arg<xla::ffi::AnyBuffer>()  // lse
-      .Arg<xla::ffi::AnyBuffer>()  // dout
-      .Arg<xla::ffi::AnyBuffer>()  // dlse
-      .Ret<xla::ffi::AnyBuffer>()  // dq
-      .Ret<xla::ffi::AnyBuffer>()  // dk (with v rank 0: dK + dV in one buffer)
-      .Ret<xla::ffi::AnyBuffer>()  // dv, or rank 0
-      .Attr<float>("scale")
-      .Attr<int32_t>("is_causal")
-      .Attr<int32_t>("bottom_right")
-      .Attr<int64_t>("value_head_dim")
-      .Attr<int32_t>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaSparseBackwardCpu,
+                              jfa::ffi_call::packed<jfa::SparseBackwardCall>(jfa::SparseBackwardCpu),
+                              xla::ffi::Ffi::Bind() JFA_FFI_BIND(JFA_SPARSE_BACKWARD_CPU));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaAttnDistCpu, jfa::AttnDistCpu,
-    xla::ffi::Ffi::Bind()
-      .Arg<xla::ffi::AnyBuffer>()  // q
-      .Arg<xla::ffi::AnyBuffer>()  // k
-      .Arg<xla::ffi::AnyBuffer>()  // indices
-      .Arg<xla::ffi::AnyBuffer>()  // lse float32 [B, T, N], natural log
-      .Ret<xla::ffi::AnyBuffer>()  // dist float32 [B, N / head_group, T, topk]
-      .Attr<float>("scale")
-      .Attr<int32_t>("is_causal")
-      .Attr<int32_t>("bottom_right")
-      .Attr<int64_t>("head_group"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaAttnDistCpu, jfa::ffi_call::packed<jfa::AttnDistCall>(jfa::AttnDistCpu),
+                              xla::ffi::Ffi::Bind() JFA_FFI_BIND(JFA_ATTN_DIST));

@@ -1,14 +1,12 @@
-// Dispatch of the sm90 kernels on (dtype, head dim), limited to the variants this build compiled.
-//
-// CMake passes JFA_SM90_BUILT_MASK: bit (dtype_index * 3 + hdim_index) is set for each built
-// variant, dtype_index 0 = fp16, 1 = bf16, hdim_index over kHeadDims. Unbuilt variants are never
-// referenced, so they need not be linked.
+// Dispatch of the sm90 kernels on (dtype, head dim), limited to the variants this build compiled
+// (JFA_SM90_BUILT_MASK, common/built_variants.h).
 #include "sm90/api.h"
 
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
 
+#include "common/built_variants.h"
 #include "sm90/run.h"
 
 #ifndef JFA_SM90_BUILT_MASK
@@ -18,52 +16,14 @@
 namespace jfa::sm90 {
 namespace {
 
-constexpr int kHeadDims[] = {64, 128, 256};
-constexpr int kNumHeadDims = 3;
-constexpr unsigned kBuiltMask = JFA_SM90_BUILT_MASK;
-
-int dtype_index(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16: return 0;
-    case DType::kBFloat16: return 1;
-    default: return -1;
-  }
-}
-
-int hdim_index(int head_dim) {
-  for (int i = 0; i < kNumHeadDims; ++i)
-    if (kHeadDims[i] == head_dim) return i;
-  return -1;
-}
-
-// The backward's head dims (bwd_traits.h, BwdConfig).
-constexpr bool has_backward(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
-
-template <int kBit, typename Element, int kHeadDim>
-cudaError_t call(bool backward, const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (((kBuiltMask >> kBit) & 1u) == 0) {
-    return cudaErrorNotSupported;
-  } else if constexpr (has_backward(kHeadDim)) {
-    return backward ? run_bwd<Element, kHeadDim>(p, stream) : run_fwd<Element, kHeadDim>(p, stream);
-  } else {
-    return backward ? cudaErrorNotSupported : run_fwd<Element, kHeadDim>(p, stream);
-  }
-}
-
-template <typename Element, int kDtypeIndex>
-cudaError_t call_hdim(bool backward, const AttentionParams& p, cudaStream_t stream) {
-  constexpr int b = kDtypeIndex * kNumHeadDims;
-  switch (p.H) {
-    case 64: return call<b + 0, Element, 64>(backward, p, stream);
-    case 128: return call<b + 1, Element, 128>(backward, p, stream);
-    case 256: return call<b + 2, Element, 256>(backward, p, stream);
-    default: return cudaErrorNotSupported;
-  }
-}
+using Variants = BuiltVariants<JFA_SM90_BUILT_MASK, 64, 128, 256>;
 
 cudaError_t dispatch(bool backward, const AttentionParams& p, cudaStream_t stream) {
-  if (p.dtype == DType::kFloat16) return call_hdim<cutlass::half_t, 0>(backward, p, stream);
-  return call_hdim<cutlass::bfloat16_t, 1>(backward, p, stream);
+  return Variants::dispatch(p.dtype, int(p.H), [&](auto variant) {
+    using V = decltype(variant);
+    return backward ? run_bwd<typename V::Element, V::kHeadDim>(p, stream)
+                    : run_fwd<typename V::Element, V::kHeadDim>(p, stream);
+  });
 }
 
 // TMA: global addresses and strides in multiples of 16 bytes (8 fp16/bf16 elements).
@@ -100,10 +60,7 @@ bool shapes_ok(const AttentionParams& p, std::initializer_list<TmaTensor> tensor
 
 }  // namespace
 
-bool is_built(DType dtype, int head_dim) {
-  const int d = dtype_index(dtype), h = hdim_index(head_dim);
-  return d >= 0 && h >= 0 && ((kBuiltMask >> (d * kNumHeadDims + h)) & 1u) != 0;
-}
+bool is_built(DType dtype, int head_dim) { return Variants::is_built(dtype, head_dim); }
 
 bool can_implement(const AttentionParams& p) {
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
@@ -111,7 +68,7 @@ bool can_implement(const AttentionParams& p) {
 }
 
 bool can_implement_backward(const AttentionParams& p) {
-  if (!has_backward(int(p.H)) || (p.deterministic && p.dq_semaphore == nullptr)) return false;
+  if (p.deterministic && p.dq_semaphore == nullptr) return false;
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
                        {p.dout, p.do_strides, p.N}, {p.dk, p.dk_strides, p.K}, {p.dv, p.dv_strides, p.K}});
 }
