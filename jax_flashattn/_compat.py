@@ -1,6 +1,6 @@
 """Every JAX-internal name this package uses, in one place, with shims across JAX versions.
 
-jax_flashattn supports jax >= 0.6. Public homes are preferred; a private `jax._src` import is a
+jax_flashattn supports jax >= 0.8.2 (pyproject.toml says why). Public homes are preferred; a private `jax._src` import is a
 last resort and lives only here.
 """
 from __future__ import annotations
