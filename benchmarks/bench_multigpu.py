@@ -85,20 +85,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax_flashattn as jfa  # noqa: E402
+from bench_attention import round_ms  # noqa: E402  (the same back-to-back timing)
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
 
 def collectives(compiled) -> str:
     return " ".join(sorted(set(COLLECTIVE.findall(compiled.as_text())))) or "none"
-
-
-def round_ms(fn, fn_args, calls) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*fn_args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def vjp_step(attend):
