@@ -20,7 +20,6 @@ TileKind policy_kind(const AttentionParams& p, const SequenceBounds& s, const Ti
     // Ids of the valid rows and keys only: padding never decides a tile.
     const int64_t i_end = std::min<int64_t>(t.i0 + t.rows, s.q_len);
     const int64_t j_end = std::min<int64_t>(t.j0 + t.cols, s.kv_len);
-    if (i_end <= t.i0 || j_end <= t.j0) return TileKind::kSkip;  // no valid query or no valid key
     const int32_t* qs = m.q_segment_ids + t.b * p.T;
     const int32_t* ks = m.kv_segment_ids + t.b * p.S;
     const auto [q_min, q_max] = std::minmax_element(qs + t.i0, qs + i_end);
