@@ -84,6 +84,16 @@ def main():
     device = jax.devices()[0]
     tag = device.device_kind.lower().replace(" ", "-") if device.platform == "gpu" else "cpu"
     rows = []
+    out = Path(a.out) if a.out else (Path(__file__).parent / "results" /
+                                     f"{datetime.date.today().isoformat()}-{tag}-masks.csv")
+
+    def write_rows():  # after each head dim, so that a run cut short keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
     for H in (int(h) for h in a.hdims.split(",")):
         T = S = a.seqlen
         N = max(1, 2048 // H) if not a.cpu_smoke else 2
@@ -113,13 +123,7 @@ def main():
                 rows.append(dict(device=tag, H=H, T=T, N=N, passes=passes, mask=name, impl=impl,
                                  ms=round(ms, 4), speed_vs_reference=round(ratio, 3)))
                 print(f"H {H:3d} {passes:6s} {name:14s} {impl:14s} {ms:9.3f} ms  x{ratio:.3f} of {ref}")
-    out = Path(a.out) if a.out else (Path(__file__).parent / "results" /
-                                     f"{datetime.date.today().isoformat()}-{tag}-masks.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+            write_rows()
     print("wrote", out)
 
 

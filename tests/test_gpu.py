@@ -410,8 +410,8 @@ def test_block_mask_with_other_keywords_on_gpu(H):
 def test_block_sparse_mask_on_gpu(H, per_head):
     """A block mask whose kept 128 x 128 blocks leave empty key blocks inside a query tile's range
     and whole rows of blocks empty: the kernels skip those (forward: neither loaded nor computed;
-    backward: outside a key block's query range) and must still match the reference, per head
-    (GQA groups whose heads see different blocks) or shared."""
+    backward: the query blocks a key block's CTA walks past, loaded, computed nor added) and must
+    still match the reference, per head (GQA groups whose heads see different blocks) or shared."""
     seed = fresh_seed()
     shape = (2, 700, 1100, 4, 2, H)
     B, T, S, N, K, H = shape
@@ -421,6 +421,36 @@ def test_block_sparse_mask_on_gpu(H, per_head):
     packed = jfa.block_mask(blocks, 128, q_len=T, kv_len=S)
     compare_with_reference(seed, shape, dict(mask=packed), ref_kw=dict(mask=packed.unpack()), dtype=BF16)
 
+
+@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("extra", ["dropout", "alibi", "causal", "deterministic"])
+def test_block_sparse_mask_with_keywords_on_gpu(H, extra):
+    """The backward's skipped steps with the state that follows its walk: dropout's keep bits (made
+    a step ahead), ALiBi's d(slope) sums (kept per step parity), causal GQA's CTAs of one query head
+    each (a head whose walk is all skipped adds nothing) and deterministic=True (which walks every
+    step: each is a turn of the ordered dQ adds)."""
+    seed = fresh_seed()
+    shape = (2, 700, 1100, 4, 2, H)
+    B, T, S, N, K, H = shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.random((B, N, 6, 9)) < 0.3
+    blocks[:, :, 2] = False
+    blocks[:, 1, :, :4] = False  # one head of the first group sees nothing of the causal part
+    blocks[:, :, 0, 8] = True
+    packed = jfa.block_mask(blocks, 128, q_len=T, kv_len=S)
+    mask = packed.unpack()
+    kw, ref_kw = {}, {}
+    if extra == "dropout":
+        key = jax.random.key(seed + 9)
+        kw = dict(dropout_rate=0.3, dropout_rng=key)
+        ref_kw = dict(dropout_rate=0.3, dropout_keep=_dropout.keep_mask(key, 0.3, (B, N, T, S)))
+    elif extra == "alibi":
+        kw = ref_kw = dict(alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.1, (N,)), jnp.float32))
+    elif extra == "causal":
+        kw = ref_kw = dict(is_causal=True)
+    else:
+        kw, ref_kw = dict(deterministic=True), {}
+    compare_with_reference(seed, shape, dict(kw, mask=packed), ref_kw=dict(ref_kw, mask=mask), dtype=BF16)
 
 def test_everything_at_once_on_gpu():
     check_everything_at_once(fresh_seed(), (2, 170, 190, 4, 2, 64), window_left=90, kv_len1=131, dtype=BF16)

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kLoadRegs>();
     const int warp = threadIdx.x / 32;
-    if (warp == 0) bwd_load(p, ss, pipeline_q, pipeline_do, walk);
+    if (warp == 0) bwd_load<Traits, kPolicies>(p, ss, pipeline_q, pipeline_do, walk);
     if constexpr (!Traits::kSplitHead)  // (the split-head layout adds dQ from the MMA threads)
       if (warp == 1) bwd_store_dq<Traits, kPolicies>(p, ss, walk);
     return;

@@ -95,16 +95,16 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     return bwd_keep_bits</*kQueriesInColumns=*/true>(block, st.head, st.m_block, kBlockM, cS_rc);
   };
   decltype(keep_bits_of(0)) keep{};
-  if constexpr (kDropout) keep = keep_bits_of(0);
+  if constexpr (kDropout) keep = keep_bits_of(walk.first);
 
-  bwd_for_each_step<Traits>(ss, walk, p.heads, [&](int s, const BwdStep& st, const PipelineState& read)
-                                                    CUTLASS_LAMBDA_FUNC_INLINE {
+  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, int next, const PipelineState& read)
+                                                       CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // Pᵀ after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // dSᵀ after this
     bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/true>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[s & 1]);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[k & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -117,15 +117,15 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     cutlass::arch::fence_view_async_shared();  // dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
     if ((kPolicies & kPolicyAlibi) != 0 && p.attn.mask.dslopes != nullptr)  // each warpgroup's keys are one slot
-      bwd_add_slope_dot<4>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0 + w * 64);
+      bwd_add_slope_dot<4>(p.attn, ss.slope_sums[k & 1], tid, walk.batch, st.head, block.key0 + w * 64);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);  // dV has finished
     pipeline_do.consumer_release(read);
     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(tdPrdP.layout()));
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished
-    bwd_stage_dq(tdQrdQ, ss.step.dq[w], w, wg_tid, s == 0);
+    bwd_stage_dq(tdQrdQ, ss.step.dq[w], w, wg_tid, k == 0);
     if constexpr (kDropout)
-      if (s + 1 < walk.num_steps) keep = keep_bits_of(s + 1);  // while dK's GEMM runs
+      if (next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

@@ -71,16 +71,16 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     return bwd_keep_bits</*kQueriesInColumns=*/false>(block, st.head, st.m_block, kBlockM, cS_rc);
   };
   decltype(keep_bits_of(0)) keep{};
-  if constexpr (kDropout) keep = keep_bits_of(0);
+  if constexpr (kDropout) keep = keep_bits_of(walk.first);
 
-  bwd_for_each_step<Traits>(ss, walk, p.heads, [&](int s, const BwdStep& st, const PipelineState& read)
-                                                    CUTLASS_LAMBDA_FUNC_INLINE {
+  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, int next, const PipelineState& read)
+                                                       CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // dS after this
     bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/false>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrQ(_, _, _, stage), tSrK, tdPrdO(_, _, _, stage), tdPrV, tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[s & 1]);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[k & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -91,7 +91,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma (the async proxy)
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
     if ((kPolicies & kPolicyAlibi) != 0 && p.attn.mask.dslopes != nullptr)  // the block's 64 keys are one slot
-      bwd_add_slope_dot<8>(p.attn, ss.slope_sums[s & 1], tid, walk.batch, st.head, block.key0);
+      bwd_add_slope_dot<8>(p.attn, ss.slope_sums[k & 1], tid, walk.batch, st.head, block.key0);
     gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt(_, _, _, stage), tdVrdV);
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ);
@@ -115,7 +115,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
       if (tid == 0) bwd_dq_end_turn(semaphore);
     }
     if constexpr (kDropout)
-      if (s + 1 < walk.num_steps) keep = keep_bits_of(s + 1);  // while dK's GEMM runs
+      if (next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

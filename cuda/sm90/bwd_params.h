@@ -77,6 +77,7 @@ struct BwdWalk {
   int head0, batch, n_block;  // head0: the first query head the CTA walks
   int m_begin, steps_per_head, num_steps;
   bool ordered;
+  int first = 0;  // the first step walked (bwd_next_step)
 
   __forceinline__ __device__ int kv_head(int group) const { return head0 / group; }
   __forceinline__ __device__ BwdStep step(int s, int heads) const {
@@ -89,8 +90,58 @@ struct BwdWalk {
   }
 };
 
+// Whether the walk skips the steps that the boolean mask's summaries prove empty: on its kernels
+// when a mask is given (the kernel of every feature also runs calls without one), unless
+// deterministic=True, where every step is a turn of the ordered dQ adds (bwd_dq_order.h) that the
+// later key blocks count on.
+template <typename Traits, int kPolicies>
+__forceinline__ __device__ bool bwd_skips_empty_steps(const BwdParams<Traits>& p) {
+  return (kPolicies & kPolicyBoolMask) != 0 && p.attn.mask.packed_mask.present() && !p.attn.deterministic;
+}
+
+// Whether no query of step st (kBlockM rows of one head) sees a key of the CTA's key block, by the
+// summaries. Everything but the step is read from the parameters, which cost no registers.
+template <typename Traits>
+__forceinline__ __device__ bool bwd_step_empty(const BwdParams<Traits>& p, const BwdWalk& walk, const BwdStep& st) {
+  constexpr int kRowBlocks = Traits::kBlockM / kMaskTileRows;
+  static_assert(Traits::kBlockM % kMaskTileRows == 0);
+  static_assert(kMaskChunkKeys % Traits::kBlockN == 0, "a key block lies in one chunk of summaries");
+  const PackedMaskView& m = p.attn.mask.packed_mask;
+  const int rb0 = st.m_block * kRowBlocks;
+  const uint8_t* column = m.tiles + walk.batch * m.tiles_batch_stride + st.head * m.tiles_head_stride +
+                          rb0 * m.chunks + walk.n_block * Traits::kBlockN / kMaskChunkKeys;
+  CUTE_UNROLL
+  for (int i = 0; i < kRowBlocks; ++i)
+    if ((kRowBlocks == 1 || rb0 + i < m.row_blocks) && column[i * m.chunks] != uint8_t(MaskTileKind::kEmpty))
+      return false;
+  return true;
+}
+
+// The step walked after step s (walk.num_steps: none). The producer, the dQ writer and the MMA
+// warpgroups all walk with it, so a skipped step is neither loaded, computed nor added. Every lane
+// of the calling warp takes part: past an empty step the lanes test 32 steps at once, so a run of
+// empty steps costs one summary read per 32 rather than one dependent read each.
+template <typename Traits, int kPolicies>
+__forceinline__ __device__ int bwd_next_step(const BwdParams<Traits>& p, const BwdWalk& walk, int s) {
+  ++s;
+  if (!bwd_skips_empty_steps<Traits, kPolicies>(p) || s >= walk.num_steps ||
+      !bwd_step_empty(p, walk, walk.step(s, p.heads)))
+    return s;
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll 1
+  for (++s; s < walk.num_steps; s += 32) {
+    const int mine = s + lane;
+    const unsigned seen =
+        __ballot_sync(0xffffffffu, mine < walk.num_steps && !bwd_step_empty(p, walk, walk.step(mine, p.heads)));
+    if (seen != 0) return s + __ffs(seen) - 1;
+  }
+  return walk.num_steps;
+}
+
 // The CTA's walk; the general path (kPolicies != 0) takes its query blocks from the call's masks
-// (bwd_general.h), and a key block that no query sees gets an empty walk.
+// (bwd_general.h), and a key block that no query sees gets an empty walk. Inside the position
+// range, which holds every step that some query head of the group sees, a block-sparse or random
+// mask leaves steps empty for one head or for all: bwd_next_step skips them.
 template <typename Traits, bool kCausal, int kPolicies, typename Order>
 __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Order& order) {
   const TileCoord t = order.get(int(blockIdx.x));  // t.head: K/V head · head_chunks + chunk
@@ -102,19 +153,27 @@ __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Or
     range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;
   const int head0 = kv_head * p.group + (t.head - kv_head * p.head_chunks) * p.heads;
-  return BwdWalk{head0, t.batch, t.m_block, range.x, per_head, per_head * p.heads, p.walk_down};
+  BwdWalk walk{head0, t.batch, t.m_block, range.x, per_head, per_head * p.heads, p.walk_down};
+  if (bwd_skips_empty_steps<Traits, kPolicies>(p) && walk.num_steps > 0) {
+    walk.first = bwd_next_step<Traits, kPolicies>(p, walk, -1);
+    if (walk.first >= walk.num_steps) walk.num_steps = 0;  // no query head of the walk sees the block
+  }
+  return walk;
 }
 
-// Waits for the CTA's K and V, then runs step(s, the step, the Q/dO ring's read state) for every
-// step of the walk, advancing the ring after each.
-template <typename Traits, typename Storage, typename Body>
-__forceinline__ __device__ void bwd_for_each_step(Storage& ss, const BwdWalk& walk, int heads, Body&& body) {
+// Waits for the CTA's K and V, then runs body(k, the step, the next step's index, the Q/dO ring's
+// read state) for every step of the walk (the k-th walked), advancing the ring after each.
+template <typename Traits, int kPolicies, typename Storage, typename Body>
+__forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, Storage& ss, const BwdWalk& walk,
+                                                  Body&& body) {
   ss.kv_full.wait(0);
   typename Traits::PipelineState read;
 #pragma unroll 1
-  for (int s = 0; s < walk.num_steps; ++s) {
-    body(s, walk.step(s, heads), read);
+  for (int s = walk.first, k = 0; s < walk.num_steps; ++k) {
+    const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
+    body(k, walk.step(s, p.heads), next, read);
     ++read;
+    s = next;
   }
 }
 

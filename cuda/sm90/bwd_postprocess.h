@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dkv_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
-  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN;
   const int3 cta = block_head_batch(int((p.S + kBlockN - 1) / kBlockN), p.K);
   const int n_block = cta.x, kv_head = cta.y, batch = cta.z;
   const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;

@@ -15,10 +15,10 @@ namespace jfa::sm90 {
 using namespace cute;
 
 // Warp 0: K and V of the key block once, then per step the query block's Q with its LSE·log2 e
-// rows and its dO with its D rows, each pair on one mbarrier of a 2-stage ring (the Q of step
-// s + 1 goes out right after the dO of step s, as the consumers need them). All lanes wait on the
+// rows and its dO with its D rows, each pair on one mbarrier of a 2-stage ring (the Q of the next
+// step goes out right after the dO of this one, as the consumers need them). All lanes wait on the
 // ring, lane 0 issues the copies.
-template <typename Traits>
+template <typename Traits, int kPolicies>
 __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedStorage<Traits>& ss,
                                          typename Traits::Pipeline& pipeline_q, typename Traits::Pipeline& pipeline_do,
                                          const BwdWalk& walk) {
@@ -44,7 +44,7 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
     const typename Traits::SmemLayoutQ layout_q;
     const typename Traits::SmemLayoutdO layout_do;
     load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-              walk.step(0, p.heads));
+              walk.step(walk.first, p.heads));
     if (leader) {
       ss.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
       uint64_t& bar = reinterpret_cast<uint64_t&>(ss.kv_full);
@@ -54,13 +54,15 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
                                        walk.n_block, make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{}), bar);
     }
 #pragma unroll 1
-    for (int s = 0; s < walk.num_steps; ++s) {
+    for (int s = walk.first; s < walk.num_steps;) {
+      const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
       load_rows(p.tma_do, layout_do, ss.dout.data(), pipeline_do, p.attn.softmax_d, ss.d[write.index()],
                 walk.step(s, p.heads));
       ++write;
-      if (s + 1 < walk.num_steps)
+      if (next < walk.num_steps)
         load_rows(p.tma_q, layout_q, ss.q.data(), pipeline_q, p.attn.lse_log2, ss.lse_log2[write.index()],
-                  walk.step(s + 1, p.heads));
+                  walk.step(next, p.heads));
+      s = next;
     }
   }
   // Do not exit while a consumer may still arrive on a barrier of this CTA.
@@ -81,7 +83,8 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   const bool leader = threadIdx.x % 32 == 0;
   constexpr int kHandshake = 128 + 32;
 #pragma unroll 1
-  for (int s = 0; s < walk.num_steps; ++s) {
+  for (int s = walk.first; s < walk.num_steps;) {
+    const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
     const BwdStep st = walk.step(s, p.heads);
     float* dq = p.attn.dq_accum + bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * Traits::kHeadDim;
     int32_t* semaphore = nullptr;
@@ -107,7 +110,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
       }
       __syncwarp();
     }
-    if (s + 1 < walk.num_steps) {
+    if (next < walk.num_steps) {
       if (leader) bulk_wait_read<1>();
       __syncwarp();
       bar_arrive(kBwdBarDqEmptyFirst + 0, kHandshake);
@@ -115,6 +118,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
       __syncwarp();
       bar_arrive(kBwdBarDqEmptyFirst + 1, kHandshake);
     }
+    s = next;
   }
   // The adds are complete before the CTA ends (the dQ conversion reads them next).
   if (leader) bulk_wait_all();

@@ -78,18 +78,30 @@ __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, co
 // The key block the tile visits after n_block (walking down): n_block - 1, or on the kernels of the
 // boolean mask the next lower one whose tile summaries are not all empty (n_begin at the latest:
 // it holds a visible key). The producer and the consumers walk the same blocks with it, so a block
-// that no row of the tile sees is neither loaded nor computed.
+// that no row of the tile sees is neither loaded nor computed. Every lane of the calling warp takes
+// part: past an empty block the lanes test 32 blocks at once, so a run of empty blocks costs one
+// summary read per 32 rather than one dependent read each.
 template <typename Traits, int kPolicies>
 __forceinline__ __device__ int fwd_prev_block(const MaskRowSummaries& summaries, const TileWork& w, int n_block) {
   constexpr int kRowBlocks = (Traits::kBlockM + kMaskTileRows - 1) / kMaskTileRows;
-  int n = n_block - 1;
-  if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
+  const int prev = n_block - 1;
+  if constexpr ((kPolicies & kPolicyBoolMask) == 0) {
+    return prev;
+  } else {
     // Without a mask the summaries have no rows and every block reads as full.
-    while (n > w.n_begin &&
-           summaries.template block_kind<kRowBlocks>(n * Traits::kBlockN, Traits::kBlockN) == MaskTileKind::kEmpty)
-      --n;
+    if (prev <= w.n_begin ||
+        summaries.template block_kind<kRowBlocks>(prev * Traits::kBlockN, Traits::kBlockN) != MaskTileKind::kEmpty)
+      return prev;
+    const int lane = int(threadIdx.x % 32);
+#pragma unroll 1
+    for (int top = prev - 1;; top -= 32) {
+      const int n = top - lane;
+      const unsigned stop = __ballot_sync(
+          0xffffffffu, n <= w.n_begin || summaries.template block_kind<kRowBlocks>(n * Traits::kBlockN, Traits::kBlockN) !=
+                                             MaskTileKind::kEmpty);
+      if (stop != 0) return top - (__ffs(stop) - 1);
+    }
   }
-  return n;
 }
 
 // The boolean mask's summaries of tile w's rows, taken once per tile for fwd_prev_block and the
