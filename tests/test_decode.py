@@ -25,6 +25,13 @@ CASES = {
                                                        local_window_size=(200, 0)), 3, False),
     "empty-cache-rows": (2, 3, 512, 2, 2, dict(is_causal=True, causal_alignment="bottom_right",
                                                key_value_seq_lengths=[0, 2]), 2, False),
+    # T > 1 folded: the keys every query sees in the folded call, the last T - 1 in the causal tail
+    # (a cache shorter than the queries: rows that see nothing, tail keys before the cache's start).
+    "few-queries-gqa-causal-lengths": (3, 5, 1024, 8, 2, dict(
+        is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=[1024, 700, 3]), 4, True),
+    "two-queries-mqa-causal-softcap": (2, 2, 512, 4, 1, dict(
+        is_causal=True, causal_alignment="bottom_right", softcap=3.0), 2, True),
+    "few-queries-gqa-no-causality": (2, 4, 512, 8, 4, dict(key_value_seq_lengths=[512, 300]), 2, True),
 }
 
 
@@ -73,6 +80,19 @@ def test_plan_covers_decoding_calls_only():
     plan = decode.split_plan((8, 1, 32, 128), (8, 8192, 8, 128), config, extras, None)
     assert plan is not None and plan.fold_heads and plan.chunks > 1
     assert decode.split_plan((8, 1, 32, 128), (8, 8192, 8, 128), config, extras, "cpu") is None
+    config, extras = _options.canonicalize((8, 16, 32, 128), False, k_len=32768, is_causal=True,
+                                           causal_alignment="bottom_right")
+    assert decode.split_plan((8, 16, 32, 128), (8, 32768, 8, 128), config, extras, None).fold_heads
+    # A small cache, a window, or more than 64 rows once folded: the heads stay apart.
+    config, extras = _options.canonicalize((1, 16, 32, 128), False, k_len=4096, is_causal=True,
+                                           causal_alignment="bottom_right")
+    assert not decode.split_plan((1, 16, 32, 128), (1, 4096, 8, 128), config, extras, None).fold_heads
+    config, extras = _options.canonicalize((8, 16, 32, 128), False, k_len=32768, is_causal=True,
+                                           causal_alignment="bottom_right", local_window_size=(4096, 0))
+    assert not decode.split_plan((8, 16, 32, 128), (8, 32768, 8, 128), config, extras, None).fold_heads
+    config, extras = _options.canonicalize((8, 16, 64, 128), False, k_len=32768, is_causal=True,
+                                           causal_alignment="bottom_right")
+    assert not decode.split_plan((8, 16, 64, 128), (8, 32768, 8, 128), config, extras, None).fold_heads
     config, extras = _options.canonicalize((1, 2048, 32, 128), False, k_len=2048, is_causal=True)
     assert decode.split_plan((1, 2048, 32, 128), (1, 2048, 8, 128), config, extras, None) is None
     config, extras = _options.canonicalize((1, 4, 8, 64), False, k_len=4096, dropout_rate=0.1,
@@ -82,9 +102,10 @@ def test_plan_covers_decoding_calls_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_decoding_calls_on_gpu_match_the_cpu_kernels(case):
+def test_decoding_calls_on_gpu_match_the_cpu_kernels(case, monkeypatch):
     """On a GPU the dispatcher takes the split by itself for such calls (bf16 against the float32
-    CPU kernels)."""
+    CPU kernels); several queries' heads fold here although the caches are small."""
+    monkeypatch.setattr(decode, "_MIN_FOLD_ELEMENTS", 0)
     B, T, S, N, K, kw, _, _ = CASES[case]
     seed = fresh_seed()
     q, k, v = random_qkv(seed, B, T, S * 8, N, K, 64)  # long enough for blocks of 512 keys

@@ -452,6 +452,22 @@ def test_block_sparse_mask_with_keywords_on_gpu(H, extra):
         kw, ref_kw = dict(deterministic=True), {}
     compare_with_reference(seed, shape, dict(kw, mask=packed), ref_kw=dict(ref_kw, mask=mask), dtype=BF16)
 
+
+def test_long_runs_of_empty_blocks_on_gpu():
+    """Runs of more than 32 empty steps and blocks, past one warp-wide search of the summaries:
+    key blocks whose visible query blocks are 60 apart (the backward's walk) and query blocks
+    whose visible key blocks are 61 apart (the forward's), the two heads of the GQA group differing
+    in one block."""
+    seed = fresh_seed()
+    shape = (1, 62 * 128, 62 * 128 + 50, 2, 1, 128)
+    B, T, S, N, K, H = shape
+    blocks = np.zeros((B, N, 62, 63), bool)
+    blocks[:, :, [0, 61], :] = True      # every key block: query blocks 0 and 61 only
+    blocks[:, :, :, [0, 62]] = True      # every query block: key blocks 0 and 62 only
+    blocks[:, 1, 30, 31] = True          # and one lone block of one head in the middle
+    packed = jfa.block_mask(blocks, 128, q_len=T, kv_len=S)
+    compare_with_reference(seed, shape, dict(mask=packed), ref_kw=dict(mask=packed.unpack()), dtype=BF16)
+
 def test_everything_at_once_on_gpu():
     check_everything_at_once(fresh_seed(), (2, 170, 190, 4, 2, 64), window_left=90, kv_len1=131, dtype=BF16)
 
@@ -679,3 +695,36 @@ def test_sharded_and_context_parallel_on_one_gpu(strategy):
     for name, r, a, b in zip(["out", "dq", "dk", "dv"], ref, sharded, cp):
         assert rel_err(a, r) <= 1e-6, f"seed {seed}: {name} sharded vs plain {rel_err(a, r)}"
         assert rel_err(b, r) <= grad_bound, f"seed {seed}: {name} {strategy} vs plain {rel_err(b, r)}"
+
+
+@pytest.mark.parametrize("layout", ["keys", "batch"])
+def test_operands_past_2_31_elements_on_gpu(layout):
+    """K and V of more than 2^31 elements each (4.3 and 6.4 GB in bf16): every offset into them, and
+    into dK and dV, must be 64-bit. "keys": one sequence of 131080 keys x 128 heads, so a row's
+    offset passes 2^31; "batch": three sequences, so the batch offset of the third does. The
+    forward and the gradients of the last and first heads equal those of the same call on those
+    heads alone (operands far below 2^31, which the other tests check against the reference);
+    deterministic=True makes the dQ adds, and so the comparison, exact."""
+    B, S = (1, 131080) if layout == "keys" else (3, 65544)
+    T, N, H = 192, 128, 128
+    assert B * S * N * H > 2**31 and (layout == "keys" or (B - 1) * S * N * H > 2**31)
+    limit = (jax.devices("gpu")[0].memory_stats() or {}).get("bytes_limit", 0)
+    if limit < 40e9:
+        pytest.skip(f"needs about 30 GB of GPU memory, {limit / 1e9:.0f} GB available")
+    keys = jax.random.split(jax.random.key(fresh_seed()), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), BF16)
+    k = jax.random.normal(keys[1], (B, S, N, H), BF16)
+    v = jax.random.normal(keys[2], (B, S, N, H), BF16)
+    do = jax.random.normal(keys[3], (B, T, N, H), BF16)
+
+    @jax.jit
+    def forward_and_grads(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: jfa.flash_attention(q, k, v, deterministic=True), q, k, v)
+        return (out,) + vjp(do)
+
+    whole = forward_and_grads(q, k, v, do)
+    for heads in (slice(N - 2, N), slice(0, 2)):
+        alone = forward_and_grads(q[:, :, heads], k[:, :, heads], v[:, :, heads], do[:, :, heads])
+        for name, big, small in zip(("out", "dq", "dk", "dv"), whole, alone):
+            np.testing.assert_array_equal(np.asarray(big[:, :, heads]), np.asarray(small),
+                                          err_msg=f"{name}, heads {heads}")
