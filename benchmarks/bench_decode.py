@@ -75,7 +75,7 @@ def main():
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--cpu-smoke", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the CSV file, or a folder for it")
     a = parser.parse_args()
     N, K, H = (4, 2, 32) if a.cpu_smoke else (32, 8, 128)
     dtype = jnp.float32 if a.cpu_smoke else jnp.bfloat16
@@ -83,8 +83,10 @@ def main():
     impls = ["jax_flashattn", "jax_flashattn_paged64", "jax_flashattn_paged256", "xla"] if a.cpu_smoke \
         else a.impls.split(",")
     device = jax.devices()[0].device_kind.replace(" ", "-").lower()
-    out_path = Path(a.out or Path(__file__).parent / "results" /
-                    f"{datetime.date.today()}-{device}-decode.csv")
+    name = f"{datetime.date.today()}-{device}-decode.csv"
+    out_path = Path(a.out) if a.out else Path(__file__).parent / "results" / name
+    if out_path.is_dir():  # a folder, as bench_attention.py's --out
+        out_path = out_path / name
     results = []
     for B, T, S in rows:
         keys = jax.random.split(jax.random.key(B * T + S), 3)

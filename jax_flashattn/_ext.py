@@ -37,6 +37,12 @@ def cuda_head_dim(head_dim: int) -> int:
     return int(_lib.cuda_head_dim(int(head_dim)))
 
 
+def cuda_accum_cols(head_dim: int) -> int:
+    """Columns of a row of the CUDA backward's float32 workspace for a built head dim: wider than
+    head_dim where the Hopper kernels run it on their next larger kernel."""
+    return int(_lib.cuda_accum_cols(int(head_dim)))
+
+
 def build_info() -> dict:
     return {
         "cpu": True,

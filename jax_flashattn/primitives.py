@@ -232,15 +232,17 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     # Hopper backward's), in padded rows (jfa::AttentionParams::softmax_d, lse_log2).
     # With deterministic=True, a semaphore per dQ tile and lane orders the adds (zeroed by the
     # kernels), and the accumulator has a copy per lane.
-    lanes = _dq_lanes(config)
-    shapes += [jax.ShapeDtypeStruct((lanes, B, N, _dq_accum_rows(T), Hp), jnp.float32),
+    # Their rows span the Hopper kernel's head dim where it runs Hp on a wider kernel (H 96 on
+    # the H 128 one): _ext.cuda_accum_cols.
+    lanes, cols = _dq_lanes(config), _ext.cuda_accum_cols(Hp)
+    shapes += [jax.ShapeDtypeStruct((lanes, B, N, _dq_accum_rows(T), cols), jnp.float32),
                jax.ShapeDtypeStruct((2, B, N, _dq_accum_rows(T)), jnp.float32),
                jax.ShapeDtypeStruct((lanes, B, N, _dq_semaphores(T)), jnp.int32)]
     # Causal GQA without deterministic=True: float32 dK and dV partial sums of the Hopper backward,
     # which runs a group's query heads in CTAs of their own there (a rank-0 placeholder otherwise).
     K, S = k.shape[2], k.shape[1]
     gqa = N > K and config.is_causal and not config.deterministic
-    shapes.append(jax.ShapeDtypeStruct((2, B, K, _dq_accum_rows(S), Hp) if gqa else (), jnp.float32))
+    shapes.append(jax.ShapeDtypeStruct((2, B, K, _dq_accum_rows(S), cols) if gqa else (), jnp.float32))
     dq, dk, dv, dbias, dslopes, _, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, T, k.shape[1]),
         *_segment_operands(extras), **_mask_ffi_attrs(scale, config),

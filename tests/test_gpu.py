@@ -1,9 +1,9 @@
 """The CUDA kernels on a GPU: forward, LSE and gradients against the float32 reference, with the
 error bounded by twice that of jax.nn (cuDNN where it takes the shape, else XLA) in the same dtype.
 
-Everything runs through the default dispatch: on an sm90 GPU the Hopper forward and backward for head
-dims 64/128/256, masks, score modifiers and dropout included (deterministic=True and the other head
-dims on the portable kernels). The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
+Everything runs through the default dispatch: on an sm90 GPU the Hopper forward and backward, masks,
+score modifiers, dropout and deterministic=True included; head dims between the Hopper kernels'
+64/128/256 run on the next wider one. The tests named `portable` force the portable kernels with JFA_FORCE_SM80=1 (read
 at each dispatch), so both paths are covered.
 
 Run on a GPU machine with JFA_REQUIRE_GPU=1 so that a missing GPU or CUDA build fails instead of
@@ -170,7 +170,7 @@ def test_gradients_match_reference(shape, is_causal, dtype):
 @pytest.mark.parametrize("shape", PORTABLE_SHAPES + [(1, 1000, 255, 4, 1, 64, 64)], ids=_ids)
 def test_gradients_portable_backward_forced(shape, is_causal, monkeypatch):
     """JFA_FORCE_SM80=1 runs the portable backward; its gradients and the default's (the Hopper
-    backward on sm90 at head dims 64, 128 and 256) both match the reference, and each other."""
+    backward on sm90) both match the reference, and each other."""
     seed = fresh_seed()
     dtype = jnp.bfloat16
     B, T, S, N, K, H, Hv = shape
@@ -242,9 +242,8 @@ def test_repeated_calls_are_deterministic_in_forward():
 
 # ---- Masks, bias, soft-capping, ALiBi, dropout (issue 5) ----------------------------------------
 # The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
-# bounds of util.BOUNDS). On sm90 head dims 64/128/256 take the Hopper kernels' general paths, forward
-# (with dropout its dropout kernel) and backward (cuda/sm90/bwd_general.h); other head dims and
-# deterministic=True run on the portable kernels' general path. The `portable ... forced` tests cover
+# bounds of util.BOUNDS). On sm90 they take the Hopper kernels' general paths, forward (with dropout
+# its dropout kernel) and backward (cuda/sm90/bwd_general.h). The `portable ... forced` tests cover
 # the portable kernels at a Hopper head dim.
 
 from jax_flashattn import dropout as _dropout  # noqa: E402
@@ -600,6 +599,32 @@ def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
             kw = dict(kw, alibi_slopes=slopes)
         ref_kw = {name: x for name, x in kw.items() if name != "deterministic"}
         compare_with_reference(seed, (B, T, S, N, K, H), kw, dtype=BF16, bias=bias, ref_kw=ref_kw)
+
+
+# ---- Head dims between the Hopper kernels' ------------------------------------------------------
+# On sm90, H 32, 96 and 192 (and the head dims padded up to them, 80 here) run on the next wider
+# Hopper kernel (cuda/sm90/api.h, kernel_head_dim): TMA fills the missing columns with zeros and
+# clips the stores, and the backward's float32 workspace spans the kernel's width. Each of both
+# passes' paths at those widths: the plain and causal kernels (causal GQA adds its dK and dV
+# through that workspace), the general path with everything, dropout's kernel, deterministic=True.
+
+def _between_case(case, seed, shape):
+    B, T, S, N, K, H = shape
+    if case == "everything":
+        check_everything_at_once(seed, shape, window_left=90, kv_len1=131, dtype=BF16)
+    elif case == "dropout":
+        check_dropout_against_reference(seed, shape, dict(is_causal=True), dtype=BF16)
+    elif case == "deterministic":
+        compare_with_reference(seed, shape, dict(is_causal=True, deterministic=True), dtype=BF16,
+                               ref_kw=dict(is_causal=True))
+    else:
+        compare_with_reference(seed, shape, dict(is_causal=case == "causal_gqa"), dtype=BF16)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_gqa", "everything", "dropout", "deterministic"])
+@pytest.mark.parametrize("H", [32, 80, 96, 192])
+def test_head_dims_between_hopper_kernels_on_gpu(H, case):
+    _between_case(case, fresh_seed(), (2, 300, 520, 4, 2, H))
 
 
 # ---- varlen_attention: both ways (packed self-attention as segment ids, else padded) ----------

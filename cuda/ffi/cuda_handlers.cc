@@ -27,6 +27,15 @@
 #endif
 
 namespace jfa {
+
+int64_t cuda_accum_cols(int64_t H) {
+#ifdef JFA_HAS_SM90
+  return sm90::workspace_head_dim(int(H));
+#else
+  return H;
+#endif
+}
+
 namespace {
 
 namespace ffi = xla::ffi;
@@ -37,8 +46,8 @@ using ffi_decode::invalid;
   JFA_FORWARD_RESULTS(RET) RET(tile_counter) /* int32 [1], the Hopper scheduler's */          \
   JFA_ATTRS(ATTR)
 // dslopes: float32 [B, N, ceil(S/64)] partial sums. Workspace: dq_accum float32 [lanes, B, N,
-// padded T, H], softmax_d float32 [2, B, N, padded T], dq_semaphore int32 [lanes, B, N, ceil(T/64)],
-// dkv_accum float32 [2, B, K, padded S, H] (causal GQA; else rank 0).
+// padded T, C], softmax_d float32 [2, B, N, padded T], dq_semaphore int32 [lanes, B, N, ceil(T/64)],
+// dkv_accum float32 [2, B, K, padded S, C] (causal GQA; else rank 0), C = cuda_accum_cols(H).
 #define JFA_CUDA_BACKWARD(ARG, RET, ATTR)                                                     \
   JFA_BACKWARD_TENSORS(ARG) JFA_MASK_OPERANDS(ARG) JFA_SEGMENT_CHUNK_OPERANDS(ARG)             \
   JFA_BACKWARD_RESULTS(RET) RET(dq_accum) RET(softmax_d) RET(dq_semaphore) RET(dkv_accum)    \
@@ -144,9 +153,11 @@ ffi::Error BackwardCuda(BackwardCall c) {
   if (auto e = ffi_decode::decode_dslopes(*c.dslopes, (p.S + kDslopeKeys - 1) / kDslopeKeys, &p); e.failure())
     return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
-  // The deterministic mode's dQ lanes (sm80/dq_accum.h): kDqLanes copies of the accumulator.
+  // The deterministic mode's dQ lanes (sm80/dq_accum.h): kDqLanes copies of the accumulator. Rows
+  // as wide as the Hopper kernel that runs this head dim (params.h, accum_cols).
   const int64_t lanes = c.deterministic != 0 ? kDqLanes : 1;
-  if (auto e = ffi_decode::expect(*c.dq_accum, "dq workspace", {lanes, p.B, p.N, p.dq_accum_rows(), p.H},
+  p.accum_cols = cuda_accum_cols(p.H);
+  if (auto e = ffi_decode::expect(*c.dq_accum, "dq workspace", {lanes, p.B, p.N, p.dq_accum_rows(), p.accum_cols},
                                   ffi::DataType::F32);
       e.failure())
     return e;
@@ -169,7 +180,7 @@ ffi::Error BackwardCuda(BackwardCall c) {
   }
   // GQA's dK and dV partial sums (params.h): rank 0 where the lowering has none to give.
   if (c.dkv_accum->dimensions().size() != 0) {
-    if (auto e = ffi_decode::expect(*c.dkv_accum, "dk/dv workspace", {2, p.B, p.K, p.dkv_accum_rows(), p.H},
+    if (auto e = ffi_decode::expect(*c.dkv_accum, "dk/dv workspace", {2, p.B, p.K, p.dkv_accum_rows(), p.accum_cols},
                                     ffi::DataType::F32);
         e.failure())
       return e;

@@ -2,6 +2,8 @@
 // key jax_flashattn/_ext.py looks up) and symbol stem, written once for declaration and module.cc.
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/ffi.h"
 
 // X(target, stem): the handler is symbol stem##Cpu on the CPU and stem##Cuda on the GPU.
@@ -16,4 +18,11 @@ JFA_HANDLERS(JFA_DECLARE_CPU_HANDLER)
 #ifdef JFA_WITH_CUDA
 #define JFA_DECLARE_CUDA_HANDLER(target, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);
 JFA_HANDLERS(JFA_DECLARE_CUDA_HANDLER)
+
+namespace jfa {
+// Columns of a row of the CUDA backward's float32 workspace (dq_accum, dkv_accum) for head dim H:
+// H, or the width of the Hopper kernel that runs H where that is wider (sm90/api.h). The lowering
+// allocates the workspace with it (module.cc exports it) and the handler checks it.
+int64_t cuda_accum_cols(int64_t H);
+}  // namespace jfa
 #endif

@@ -55,4 +55,12 @@ NB_MODULE(_jax_flashattn, m) {
     return -1;
 #endif
   }, "Smallest head dim built for the CUDA kernels that is >= head_dim, or -1.");
+
+  m.def("cuda_accum_cols", [](int head_dim) -> int {
+#ifdef JFA_WITH_CUDA
+    return int(jfa::cuda_accum_cols(head_dim));
+#else
+    return head_dim;
+#endif
+  }, "Columns of a row of the CUDA backward's float32 workspace for (padded) head dim head_dim.");
 }

@@ -2,6 +2,7 @@
 // (JFA_SM90_BUILT_MASK, common/built_variants.h).
 #include "sm90/api.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
@@ -19,7 +20,7 @@ namespace {
 using Variants = BuiltVariants<JFA_SM90_BUILT_MASK, 64, 128, 256>;
 
 cudaError_t dispatch(bool backward, const AttentionParams& p, cudaStream_t stream) {
-  return Variants::dispatch(p.dtype, int(p.H), [&](auto variant) {
+  return Variants::dispatch(p.dtype, kernel_head_dim(p.dtype, int(p.H)), [&](auto variant) {
     using V = decltype(variant);
     return backward ? run_bwd<typename V::Element, V::kHeadDim>(p, stream)
                     : run_fwd<typename V::Element, V::kHeadDim>(p, stream);
@@ -42,7 +43,8 @@ struct TmaTensor {
 
 bool shapes_ok(const AttentionParams& p, std::initializer_list<TmaTensor> tensors) {
   constexpr int64_t kMax = INT32_MAX;
-  if (!is_built(p.dtype, int(p.H)) || p.Hv != p.H) return false;
+  // H a multiple of 8: the backward's row statistics read rows in 16-byte pieces.
+  if (kernel_head_dim(p.dtype, int(p.H)) < 0 || p.Hv != p.H || p.H % 8 != 0) return false;
   if (p.T < 1 || p.S < 1 || p.T > kMax || p.S > kMax || p.B < 1 || p.N < 1 || p.K < 1 || p.N % p.K != 0)
     return false;
   // Tile indices fit an int (the smallest tiles: 64 rows).
@@ -62,6 +64,21 @@ bool shapes_ok(const AttentionParams& p, std::initializer_list<TmaTensor> tensor
 
 bool is_built(DType dtype, int head_dim) { return Variants::is_built(dtype, head_dim); }
 
+int kernel_head_dim(DType dtype, int head_dim) {
+  if (head_dim < 1) return -1;
+  for (int i = 0; i < Variants::kNumHeadDims; ++i) {
+    const int h = Variants::kHeadDimList[i];
+    if (h >= head_dim) return Variants::is_built(dtype, h) ? h : -1;
+  }
+  return -1;
+}
+
+int workspace_head_dim(int head_dim) {
+  int cols = head_dim;
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) cols = std::max(cols, kernel_head_dim(dtype, head_dim));
+  return cols;
+}
+
 bool can_implement(const AttentionParams& p) {
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
                        {p.o, p.o_strides, p.N}});
@@ -69,6 +86,8 @@ bool can_implement(const AttentionParams& p) {
 
 bool can_implement_backward(const AttentionParams& p) {
   if (p.deterministic && p.dq_semaphore == nullptr) return false;
+  // The partial sums span the kernel's width (params.h, accum_cols).
+  if (std::max(p.accum_cols, p.H) < kernel_head_dim(p.dtype, int(p.H))) return false;
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
                        {p.dout, p.do_strides, p.N}, {p.dk, p.dk_strides, p.K}, {p.dv, p.dv_strides, p.K}});
 }

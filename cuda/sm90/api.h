@@ -14,10 +14,22 @@
 
 namespace jfa::sm90 {
 
-// Whether this build contains the forward kernel for (dtype, head_dim).
+// Whether this build contains the kernels for (dtype, head_dim).
 bool is_built(DType dtype, int head_dim);
 
-// Whether forward() takes this call: a built variant with H == Hv, T, S >= 1, and what TMA needs
+// The head dim of the built kernel that runs head_dim, or -1: head_dim's own, else the next
+// larger one (H 32 on the H 64 kernel, 96 on 128, 192 on 256; each measured faster there than on
+// the portable kernel of its own width, docs/performance.md). Tensor maps keep the call's width:
+// TMA fills the missing columns of Q, K, V and dO with zeros, which change no score, and clips the
+// stores of O, dK and dV to it.
+int kernel_head_dim(DType dtype, int head_dim);
+
+// Columns of a row of the backward's float32 workspace (AttentionParams::accum_cols) that let
+// any built dtype of head_dim run here: the kernel's width where it is wider than head_dim.
+int workspace_head_dim(int head_dim);
+
+// Whether forward() takes this call: a kernel for its head dim (kernel_head_dim; H a multiple of
+// 8), H == Hv, T, S >= 1, and what TMA needs
 // (16-byte aligned base pointers and row/head/batch strides, sizes below 2^31). Calls it rejects
 // go to the portable kernel.
 bool can_implement(const AttentionParams& p);
@@ -25,7 +37,8 @@ bool can_implement(const AttentionParams& p);
 // Writes p.o and p.lse (float32, natural log). cudaErrorNotSupported where !can_implement(p).
 cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
 
-// Whether backward() takes this call: a built variant (head dims 64, 128, 256), any mask, score
+// Whether backward() takes this call: a kernel for its head dim, with workspace rows as wide as
+// that kernel (p.accum_cols), any mask, score
 // modifier and dropout (the general path, bwd_general.h), deterministic=True with p.dq_semaphore
 // (bwd_dq_order.h), and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
 bool can_implement_backward(const AttentionParams& p);

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
   CUTE_UNROLL
   for (int i = 0; i < n; i += 2) {
     const int row = m0 + get<0>(coord(i)), col = get<1>(coord(i));
-    if (row < p.T) {
+    if (row < p.T && col < p.H) {  // columns past H: a wider kernel's zero padding (api.h)
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(v[i] * p.scale);
       pair[1] = Element(v[i + 1] * p.scale);
@@ -84,13 +84,13 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dkv_kernel
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
           const int key = n_block * kBlockN + get<1>(coord(4 * g + j)), col = get<0>(coord(4 * g + j));
-          if (key < p.S) out[int64_t(key) * st.row + col] = Element(v[j]);
+          if (key < p.S && col < p.H) out[int64_t(key) * st.row + col] = Element(v[j]);
         }
       } else {  // (keys, H): values (j, j + 1), j even, are columns (c, c + 1) of one key
         CUTE_UNROLL
         for (int j = 0; j < 4; j += 2) {
           const int key = n_block * kBlockN + get<0>(coord(4 * g + j)), col = get<1>(coord(4 * g + j));
-          if (key < p.S) {
+          if (key < p.S && col < p.H) {
             cutlass::Array<Element, 2> pair;
             pair[0] = Element(v[j]);
             pair[1] = Element(v[j + 1]);

@@ -375,6 +375,16 @@ static bool hopper_device() {
   return major == 9 && minor == 0;
 }
 
+// Columns of a row of the backward's float32 workspace, as the lowering allocates them: wider
+// than H where the Hopper backward runs H on its next larger kernel (sm90/api.h).
+static int64_t accum_cols(int H) {
+#ifdef JFA_CHECK_SM90
+  return jfa::sm90::workspace_head_dim(H);
+#else
+  return H;
+#endif
+}
+
 static void run_case(const Config& c, std::mt19937& rng) {
   const char* dtn = c.dt == DType::kBFloat16 ? "bf16" : "fp16";
   if (!jfa::sm80::is_built(c.dt, c.H)) {
@@ -442,7 +452,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
   CK(cudaMalloc(&d_lse, rows * 4)); CK(cudaMemset(d_lse, 0xFF, rows * 4));
   CK(cudaMalloc(&d_dlse, rows * 4));
   CK(cudaMemcpy(d_dlse, dlse.data(), rows * 4, cudaMemcpyHostToDevice));
-  const size_t acc_elems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_accum_rows() * c.H;  // every lane (params.h)
+  p.accum_cols = accum_cols(c.H);
+  const size_t acc_elems = size_t(jfa::kDqLanes) * c.B * c.N * p.dq_accum_rows() * p.accum_cols;  // every lane
   CK(cudaMalloc(&d_dqacc, acc_elems * 4)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
   const size_t stat_rows = size_t(c.B) * c.N * p.dq_accum_rows();  // params.h: softmax_d, lse_log2
   CK(cudaMalloc(&d_D, 2 * stat_rows * 4)); CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
@@ -456,7 +467,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.dq_accum = d_dqacc; p.softmax_d = d_D;
   float* d_dkvacc = nullptr;  // GQA's dK and dV partial sums (params.h), as the lowering gives them
   if (c.N > c.K && !c.f.deterministic) {
-    const size_t elems = size_t(2) * c.B * c.K * p.dkv_accum_rows() * c.H;
+    const size_t elems = size_t(2) * c.B * c.K * p.dkv_accum_rows() * p.accum_cols;
     CK(cudaMalloc(&d_dkvacc, elems * 4));
     CK(cudaMemset(d_dkvacc, 0xFF, elems * 4));  // the launcher must zero it
     p.dkv_accum = d_dkvacc;
@@ -524,7 +535,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemset(d_dq, 0xFF, o_elems * 2)); CK(cudaMemset(d_dk, 0xFF, k.size() * 2));
     CK(cudaMemset(d_dv, 0xFF, v.size() * 2)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
     CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
-    if (d_dkvacc != nullptr) CK(cudaMemset(d_dkvacc, 0xFF, size_t(2) * c.B * c.K * p.dkv_accum_rows() * c.H * 4));
+    if (d_dkvacc != nullptr) CK(cudaMemset(d_dkvacc, 0xFF, size_t(2) * c.B * c.K * p.dkv_accum_rows() * p.accum_cols * 4));
     if (d_dbias != nullptr) CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: it must zero them
     if (d_dslopes != nullptr) CK(cudaMemset(d_dslopes, 0xFF, size_t(c.B) * c.N * dslope_slots * 4));
     p.lse_log2 = d_D + stat_rows;
@@ -673,7 +684,9 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper
   float *lse, *dqacc, *D;
   const size_t acc_rows = size_t(jfa::kDqLanes) * B * N * p.dq_accum_rows();  // every lane of the deterministic run
   const size_t stat_rows = size_t(B) * N * p.dq_accum_rows();
-  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * H * 4)); CK(cudaMalloc(&D, 2 * stat_rows * 4));
+  p.accum_cols = accum_cols(H);
+  CK(cudaMalloc(&lse, rows * 4)); CK(cudaMalloc(&dqacc, acc_rows * p.accum_cols * 4));
+  CK(cudaMalloc(&D, 2 * stat_rows * 4));
   auto st = jfa::packed_strides(T, N, H);
   p.q = bufs[0]; p.k = bufs[1]; p.v = bufs[2]; p.o = bufs[3]; p.dout = bufs[4];
   p.dq = bufs[5]; p.dk = bufs[6]; p.dv = bufs[7];
@@ -683,7 +696,7 @@ static void bench(DType dt, int H, int B, int T, int N, bool causal, bool hopper
   p.dq_accum = dqacc; p.softmax_d = D;
   float* dkvacc = nullptr;
   if (N > K) {
-    CK(cudaMalloc(&dkvacc, size_t(2) * B * K * p.dkv_accum_rows() * H * 4));
+    CK(cudaMalloc(&dkvacc, size_t(2) * B * K * p.dkv_accum_rows() * p.accum_cols * 4));
     p.dkv_accum = dkvacc;
   }
   cudaStream_t s;
@@ -778,7 +791,10 @@ int main(int argc, char** argv) {
         cases.push_back({1, 70, 130, 2, 2, H, causal, FP, false, 8});
         cases.push_back({1, 130, 65, 4, 2, H, causal, BF, true, 0});
       }
-    for (int H : {32, 96, 192}) cases.push_back({1, 70, 90, 2, 1, H, true, BF, true, 0});
+    for (int H : {32, 96, 192}) {  // on sm90: the next wider Hopper kernel (sm90/api.h)
+      cases.push_back({1, 70, 90, 2, 1, H, true, BF, true, 0});
+      cases.push_back({1, 130, 65, 4, 2, H, true, BF, true, 0});  // causal GQA: the dK/dV workspace
+    }
   } else if (!bench_only) {
     const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {1000, 1000}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}};
     for (DType dt : {BF, FP})

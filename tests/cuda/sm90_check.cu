@@ -209,7 +209,7 @@ static int32_t* tile_counter() {
 
 static void run_case(const Config& c, std::mt19937& rng) {
   const char* dtn = c.dt == DType::kBFloat16 ? "bf16" : "fp16";
-  if (!jfa::sm90::is_built(c.dt, c.H)) {
+  if (jfa::sm90::kernel_head_dim(c.dt, c.H) < 0) {
     printf("SKIP (not built) %s H=%d\n", dtn, c.H);
     return;
   }
@@ -733,7 +733,20 @@ int main(int argc, char** argv) {
       cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
+    // Head dims between the kernels' run on the next wider kernel (api.h, kernel_head_dim).
+    for (int H : {32, 96, 192}) {
+      cases.push_back({2, 200, 150, 2, 2, H, true, FP, 8});
+      cases.push_back({1, 17, 33, 2, 1, H, false, BF, 0, kWindow | kAlibi | kSoftcap | kLengths});
+    }
   } else if (!bench_only) {
+    const int kAllPadded = kWindow | kBottomRight | kLengths | kSegments | kSoftcap | kAlibi | kBias | kMask;
+    for (int H : {32, 96, 192})  // on the next wider kernel (api.h, kernel_head_dim)
+      for (bool causal : {false, true}) {
+        cases.push_back({2, 255, 1000, 8, 2, H, causal, BF, 0});
+        cases.push_back({1, 2100, 2100, 2, 1, H, causal, FP, 8});
+        cases.push_back({2, 300, 255, 4, 2, H, causal, BF, 0, kAllPadded});
+        cases.push_back({1, 150, 200, 2, 1, H, causal, BF, 0, kDropout | kLengths});
+      }
     const int TS[][2] = {{1, 1}, {17, 17}, {255, 255}, {17, 255}, {255, 17}, {1000, 255}, {1, 1000}, {255, 1}, {384, 384}};
     for (DType dt : {BF, FP})
       for (int H : {64, 128, 256})

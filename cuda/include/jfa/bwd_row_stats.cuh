@@ -13,7 +13,8 @@
 namespace jfa {
 
 // kLanesPerRow threads read one (b, t, n) row with 16-byte loads; rows are ordered (b, t, n), n
-// fastest, so that a block reads contiguous O and dO.
+// fastest, so that a block reads contiguous O and dO. kHeadDim is the kernel's; the call's p.H
+// (a multiple of 8) may be smaller where the Hopper backward runs it on a wider kernel.
 template <int kHeadDim>
 struct RowStatsShape {
   static constexpr int kElems = 8;
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(256) bwd_row_stats_kernel(const AttentionParam
   const int64_t b = row / (p.N * t_rows);
   const bool valid = row < rows && t < p.T;
   float acc = 0.f;
-  if (valid && lane_in_row < Rows::kThreadsPerRow) {
+  if (valid && lane_in_row * kElems < p.H) {
     const Element* o = static_cast<const Element*>(p.o) + b * p.o_strides.batch + t * p.o_strides.row + n * p.o_strides.head;
     const Element* d = static_cast<const Element*>(p.dout) + b * p.do_strides.batch + t * p.do_strides.row + n * p.do_strides.head;
     const uint4 ov = reinterpret_cast<const uint4*>(o)[lane_in_row];

@@ -205,7 +205,7 @@ struct AttentionParams {
   Strides do_strides, dq_strides, dk_strides, dv_strides;
 
   // Backward workspace for GPU kernels, provided by the FFI (never allocated per call).
-  // dq_accum: float32 [lanes, B, N, dq_accum_rows(), H], lanes = kDqLanes with deterministic,
+  // dq_accum: float32 [lanes, B, N, dq_accum_rows(), H or accum_cols], lanes = kDqLanes with deterministic,
   // else 1. Rows are padded so that every query tile of the backward kernel owns a whole
   // contiguous block, which the kernel stores in the order its threads hold the dQ fragments
   // (sm80/dq_accum.h): its atomics then cover contiguous spans.
@@ -218,9 +218,13 @@ struct AttentionParams {
   float* softmax_d = nullptr;
   float* lse_log2 = nullptr;
   // Causal GQA without deterministic=True only (null otherwise): float32 [2, B, K, dkv_accum_rows(),
-  // H], dK then dV, where the Hopper backward runs a group's query heads in CTAs of their own, which
+  // H or accum_cols], dK then dV, where the Hopper backward runs a group's query heads in CTAs of their own, which
   // add their partial dK and dV here (zeroed by its launcher) instead of storing them.
   float* dkv_accum = nullptr;
+  // Columns of a dq_accum and dkv_accum row (0: H). The Hopper backward runs a head dim between
+  // its kernels' on the next larger kernel (sm90/api.h, kernel_head_dim), whose partial sums span
+  // that kernel's width, so it takes such a call only where the workspace rows are that wide.
+  int64_t accum_cols = 0;
 
   // Deterministic backward (deterministic=True): every lane of a dQ tile receives its key
   // blocks' adds in increasing key-block order, ordered through dq_semaphore, int32 [kDqLanes, B,
