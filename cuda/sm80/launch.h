@@ -81,21 +81,8 @@ cudaError_t launch_bwd_variant(const AttentionParams& p, cudaStream_t stream) {
                           stream);
     if (err != cudaSuccess) return err;
   }
-  // d(bias) is accumulated with atomics too (broadcast axes sum many elements into one).
-  if (p.mask.dbias != nullptr) {
-    const int64_t* d = p.mask.dbias_dims;
-    err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
-  }
-  // d(slope) slots: each is a sum over the steps of its key tile's CTA, and some are never visited.
-  if (p.mask.dslopes != nullptr) {
-    err = cudaMemsetAsync(p.mask.dslopes, 0, size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
-  }
-
-  bwd_row_stats_kernel<Element, kHeadDim>
-      <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // d(bias) and d(slopes) zeroed, then the row statistics.
+  if ((err = launch_bwd_row_stats<Element, kHeadDim>(p, stream)) != cudaSuccess) return err;
 
   err = detail::launch_bwd_main<Traits, F::kCausal, F::kGeneral, F::kDropout, F::kOrdered>(p, stream);
   if (err != cudaSuccess) return err;

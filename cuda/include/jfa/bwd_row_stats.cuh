@@ -5,6 +5,8 @@
 // key (LSE = −inf) gets +inf too. Device code shared by the sm80 and sm90 libraries.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -63,6 +65,26 @@ __global__ void __launch_bounds__(256) bwd_row_stats_kernel(const AttentionParam
       p.lse_log2[out] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
     }
   }
+}
+
+// The start every CUDA backward shares: d(bias) and d(slopes) zeroed (float atomics add into the
+// first, and each slot of the second sums the steps of its key block, some of which never run),
+// then the row statistics of kHeadDim-wide kernels (the call's p.H may be narrower).
+template <typename Element, int kHeadDim>
+cudaError_t launch_bwd_row_stats(const AttentionParams& p, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  if (p.mask.dbias != nullptr) {
+    const int64_t* d = p.mask.dbias_dims;
+    err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.mask.dslopes != nullptr) {
+    err = cudaMemsetAsync(p.mask.dslopes, 0, size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+  using Rows = RowStatsShape<kHeadDim>;
+  bwd_row_stats_kernel<Element, kHeadDim><<<dim3(unsigned(Rows::blocks(p))), Rows::kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace jfa
