@@ -16,7 +16,7 @@ DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 PASSES = ["fwd", "bwd"]
 SM90_HDIMS = [64, 128, 256]  # the forward; other head dims run on sm80
 SM90_BWD_HDIMS = [64, 128, 256]  # the backward
-# The Hopper backward's general-path kernels: file suffix -> policy set (cuda/sm90/mask.h).
+# The Hopper backward's general-path kernels: file suffix -> policy set (cuda/sm90/mask_policies.h).
 SM90_BWD_SETS = {
     "positions": "kBwdPositionsSet",
     "mask": "kBwdMaskSet",

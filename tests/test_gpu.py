@@ -301,7 +301,7 @@ def _scattered_segments(seed, B, L):
 def test_segment_ids_past_short_sequences_on_gpu(kind, H):
     """Segment ids alone take a kernel of their own (cuda/sm90/fwd_launch.h; H 64: the 192 x 128 tile).
     Rows whose segment the summaries prove one key range fold it into their position bounds
-    (cuda/sm90/mask.h, tile_rows): packed sequences that start and end on 16-key chunks (the
+    (cuda/sm90/mask_policies.h, tile_rows): packed sequences that start and end on 16-key chunks (the
     first two of batch row 0); the others, and scattered ids, keep the per-key test."""
     seed = fresh_seed()
     if kind == "packed":

@@ -98,7 +98,7 @@ def test_sorted_ids_give_exact_spans():
 
 
 def _folds(summary):
-    """Which chunks the Hopper kernel folds into key ranges (cuda/sm90/mask.h, tile_rows): one
+    """Which chunks the Hopper kernel folds into key ranges (cuda/sm90/mask_policies.h, tile_rows): one
     id, a non-empty match run, and a key span equal to it."""
     lo, hi, begin, end, _, _, mb, me = (summary[..., i] for i in range(8))
     return (lo == hi) & (mb < me) & (begin == mb) & (end == me)

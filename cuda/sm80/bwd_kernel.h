@@ -11,7 +11,7 @@
 //      CTAs start their loop at different steps (rotated by the key tile index), except when the
 //      dQ adds are ordered (deterministic=True, below).
 //   3. bwd_convert_dq_kernel: dq = scale · dq_accum, cast to the element type.
-// The kGeneral instantiation (masks, score modifiers, dropout; mask.h) visits only the query tiles
+// The kGeneral instantiation (masks, score modifiers, dropout; tile_masks.h) visits only the query tiles
 // of query_range, computes dS = P∘(dP·z − D)·(1 − tanh²) in one element pass (z: dropout
 // multiplier; dV sees P·z) and adds d(bias) = P∘(dP·z − D) into p.mask.dbias with float32
 // atomics (zeroed by run_bwd; the summation order over broadcast axes is not deterministic).
@@ -26,7 +26,8 @@
 #include "jfa/params.h"
 #include "dq_accum.h"
 #include "kernel_traits.h"
-#include "mask.h"
+#include "dropout.h"
+#include "tile_masks.h"
 #include "utils.h"
 
 namespace jfa::sm80 {
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 
 // ---------------------------------------------------------------------------------------------
 // 2. The main kernel.
-// kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h),
+// kGeneral (with kCausal = false): every masking feature through the shared policies (tile_masks.h),
 // causality from p.is_causal, d(bias) by atomics; the plain instantiations compile none of it.
 // kDropout (with kGeneral): dropout too, a separate instantiation (the Philox stream costs registers).
 // kOrdered (without kGeneral): the dQ adds in key-tile order, a separate instantiation so that the

@@ -10,7 +10,8 @@
 
 #include "jfa/params.h"
 #include "kernel_traits.h"
-#include "mask.h"
+#include "dropout.h"
+#include "tile_masks.h"
 #include "softmax.h"
 #include "utils.h"
 
@@ -18,7 +19,7 @@ namespace jfa::sm80 {
 
 using namespace cute;
 
-// kGeneral (with kCausal = false): every masking feature through the shared policies (mask.h);
+// kGeneral (with kCausal = false): every masking feature through the shared policies (tile_masks.h);
 // causality then comes from p.is_causal. kDropout (with kGeneral): dropout too, a separate
 // instantiation because the Philox stream costs registers (bf16 H128 general forward spill bytes:
 // 380 stores / 236 loads without it, ~1000 / ~700 with it). The plain instantiations compile none

@@ -1,8 +1,8 @@
 // The Hopper backward's general path: masks (positions with either causal alignment, windows,
 // valid lengths, segment ids, the boolean mask), score modifiers (soft-capping, bias, ALiBi) and
 // dropout, with the gradients they add: d(bias) and d(ALiBi slopes). The semantics are those of
-// every other path: jfa::visible and jfa::additive_bias (mask.h, score_mod.h), soft-capping as the
-// Hopper forward computes it (mask.h, fast_tanh), and jfa::dropout_word's stream (dropout.h).
+// every other path: jfa::visible and jfa::additive_bias (jfa/mask.h, jfa/score_mod.h), soft-capping as the
+// Hopper forward computes it (mask_policies.h, fast_tanh), and jfa::dropout_word's stream (dropout.h).
 //
 // Per key block: the query blocks that may see it (query_range, narrowed by the segment
 // summaries). Per step: whether the (query block, key block) tile needs the per-element predicate.
@@ -28,7 +28,7 @@
 #include "jfa/row_policy.cuh"
 #include "jfa/score_mod.h"  // kLog2eF
 #include "bwd_softmax.h"
-#include "mask.h"
+#include "mask_policies.h"
 
 namespace jfa::sm90 {
 
@@ -175,7 +175,7 @@ __forceinline__ __device__ BwdQuery bwd_query(const AttentionParams& p, const Bw
 // full and take kPlain, as they would on the plain kernel.
 enum class BwdTilePass { kPlain, kModified, kGeneral };
 
-// The element pass (the header's comment) for the kernel of policy set kPolicies (mask.h: the
+// The element pass (the header's comment) for the kernel of policy set kPolicies (mask_policies.h: the
 // features it compiles code for; the call's pointers say which of them it uses) over a step's
 // scores `s` (raw Q·Kᵀ, becomes P·z) and
 // `dp` (becomes dS), (rows, cols) views with the coordinates `coords` of the same shape; lse_log2

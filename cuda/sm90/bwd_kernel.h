@@ -34,7 +34,7 @@ template <bool kCausal, int kPolicies>
 using BwdOrderOf = BwdTileOrder<kCausal || kPolicies != 0>;
 
 // kPolicies: 0, the plain and top-left causal (kCausal) path; otherwise the general path with the
-// features of that policy set (bwd_general.h, mask.h's kBwd*Set; kCausal false).
+// features of that policy set (bwd_general.h, mask_policies.h's kBwd*Set; kCausal false).
 template <typename Traits, bool kCausal, int kPolicies>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     bwd_kernel(CUTE_GRID_CONSTANT BwdParams<Traits> const p, BwdOrderOf<kCausal, kPolicies> const order) {

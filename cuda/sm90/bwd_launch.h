@@ -1,7 +1,7 @@
 // Host side of the Hopper backward: three launches on the call's stream (no allocation, no
 // synchronization: CUDA-graph safe). Each instantiation file (cuda/generate_instantiations.py)
 // instantiates run_bwd for one (dtype, head dim), and the general path's run_bwd_policies for
-// each policy set (mask.h's kBwd*Set) in files of their own, so that they compile in parallel.
+// each policy set (mask_policies.h's kBwd*Set) in files of their own, so that they compile in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,26 +25,15 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
   // The dQ partial sums are added into the accumulator: start from zero (padding rows too); so are
-  // d(bias) (atomics), d(slopes) (each slot's thread subtracts step after step) and the dQ turns.
+  // the dQ turns, d(bias) and d(slopes) (launch_bwd_row_stats).
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  if (p.mask.dbias != nullptr) {
-    const int64_t* d = p.mask.dbias_dims;
-    err = cudaMemsetAsync(p.mask.dbias, 0, size_t(d[0] * d[1] * d[2] * d[3]) * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
-  }
   if (p.deterministic) {  // the dQ turns (bwd_dq_order.h): lane 0 of the portable kernels' layout
     err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(p.B * p.N * p.dq_semaphores_per_head()) * sizeof(int32_t), stream);
     if (err != cudaSuccess) return err;
   }
-  if (p.mask.dslopes != nullptr) {
-    err = cudaMemsetAsync(p.mask.dslopes, 0, size_t(p.B * p.N * p.mask.dslope_slots) * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
-  }
-  bwd_row_stats_kernel<Element, kHeadDim>
-      <<<dim3(unsigned(RowStatsShape<kHeadDim>::blocks(p))), RowStatsShape<kHeadDim>::kThreads, 0, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = launch_bwd_row_stats<Element, kHeadDim>(p, stream)) != cudaSuccess) return err;
 
   BwdParams<Traits> kp = make_bwd_params<Traits>(p);
   const int group = int(p.N / p.K);

@@ -1,5 +1,5 @@
 // The Hopper backward's general path (bwd_general.h): a kernel per (dtype, head dim, policy set of
-// mask.h's kBwd*Set), each in a translation unit of its own (cuda/generate_instantiations.py) so
+// mask_policies.h's kBwd*Set), each in a translation unit of its own (cuda/generate_instantiations.py) so
 // that they compile in parallel with run_bwd's kernels. Not included where run_bwd is
 // instantiated: there run.h's declaration makes them external references.
 #pragma once

@@ -47,7 +47,7 @@ __forceinline__ __device__ DropoutTile dropout_tile(const AttentionParams& p, in
 // Zeroes the dropped probabilities of this thread's elements of a key block. `probs` is a
 // (row, col) view of the accumulator, whose columns come in pairs of neighbouring keys (col 2k and
 // 2k + 1 are keys j, j + 1 with j even); the key of column c is col_shift + coords0(0, c), coords0
-// being thread 0's partition (compile-time columns, as in mask.h's apply_policy).
+// being thread 0's partition (compile-time columns, as in mask_policies.h's apply_policy).
 template <typename Probs, typename Coords0>
 __forceinline__ __device__ void apply_dropout(Probs& probs, const DropoutTile& d, int col_shift,
                                               Coords0 const& coords0) {

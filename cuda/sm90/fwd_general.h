@@ -1,5 +1,5 @@
 // The Hopper forward's general (masked) path in its key loop, for one consumer thread and tile:
-// the policies of mask.h (positions, segment ids, the boolean mask, score modifiers) applied per
+// the policies of mask_policies.h (positions, segment ids, the boolean mask, score modifiers) applied per
 // key block. A block runs only the per-element tests its elements need (block_needs); without score
 // modifiers a block that needs none skips the policy code altogether, and with ALiBi on the tensor
 // cores (the prefix, fwd_mainloop.h) ALiBi is no score modifier: such a block takes its shift alone.
@@ -13,7 +13,7 @@
 #include "jfa/params.h"
 #include "jfa/score_mod.h"
 #include "fwd_params.h"
-#include "mask.h"
+#include "mask_policies.h"
 #include "tile_scheduler.h"
 
 namespace jfa::sm90 {

@@ -17,7 +17,7 @@
 #include "fwd_params.h"
 #include "fwd_producer.h"
 #include "fwd_traits.h"
-#include "mask.h"
+#include "mask_policies.h"
 #include "tile_scheduler.h"
 
 namespace jfa::sm90 {

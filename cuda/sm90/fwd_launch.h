@@ -50,7 +50,7 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The general path: the smallest compiled policy set (mask.h) that covers the call. Five sets:
+// The general path: the smallest compiled policy set (mask_policies.h) that covers the call. Five sets:
 // positions alone; positions and ALiBi; positions and segment ids; positions and the data masks
 // (segment ids, boolean mask); everything. Positions alone is a set of its own because the ALiBi
 // set's kernel carries the prefix (fwd_mainloop.h, kAlibiPrefix) in its loop and smem even when a
@@ -82,7 +82,7 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   using Lean = typename GeneralFwdConfig<Element, kHeadDim, true>::Traits;
   if (p.mask.active()) {
     if constexpr (kHeadDim == 64) {
-      // The boolean mask too: on 128-key blocks its threads read one word per row (mask.h,
+      // The boolean mask too: on 128-key blocks its threads read one word per row (mask_policies.h,
       // hide_masked); the 112-key blocks of the 192-row tile straddle chunks and test bit by bit.
       if (p.T <= 1536 || p.mask.packed_mask.present()) return detail::launch_general<Short>(p, stream);
       if (p.mask.q_segment_ids != nullptr) return detail::launch_general<Short, Lean>(p, stream);

@@ -10,13 +10,13 @@
 // runs under the other's GEMMs.
 //
 // kPolicies != 0, the general path (with kCausal = false): masks and score modifiers as policies
-// (mask.h, fwd_general.h), compiled for the set of them in kPolicies; a tile visits only the key
+// (mask_policies.h, fwd_general.h), compiled for the set of them in kPolicies; a tile visits only the key
 // blocks of its position range that may share a segment with it (fwd_params.h, fwd_tile_work), and
 // a tile that sees no key visits block 0 fully masked, so it writes O = 0 and LSE = -inf the usual
 // way. With kPolicyDropout, each block's probabilities are dropped after the softmax statistics
 // (dropout.h), the row sums and LSE kept dropout-free, and O's final scale takes 1 / (1 - rate).
 //
-// ALiBi on the tensor cores (kAlibiPrefix: the positions-and-ALiBi set's kernel, mask.h). Q·Kᵀ
+// ALiBi on the tensor cores (kAlibiPrefix: the positions-and-ALiBi set's kernel, mask_policies.h). Q·Kᵀ
 // takes one more k block of 16 in front of the head dim's: key j's holds (c, c, c, 0, ...) with
 // c = j − n0 its column in the block (the same for every block: written to smem once per CTA), and
 // each query row of a tile holds (a1, a2, a3, 0, ...), the slope in the units of the raw scores
@@ -41,7 +41,7 @@
 #include "fwd_general.h"
 #include "fwd_params.h"
 #include "fwd_traits.h"
-#include "mask.h"
+#include "mask_policies.h"
 #include "named_barriers.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
@@ -79,7 +79,7 @@ __forceinline__ __device__ auto fwd_consumer_fragments(Storage& ss, int tid) {
   Tensor cS0 = mma_qk.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor s_coords = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-  // Thread 0's coordinates: compile-time constants (mask.h, apply_policy).
+  // Thread 0's coordinates: compile-time constants (mask_policies.h, apply_policy).
   Tensor s_coords0 = make_tensor(cS0.data(), acc_rowcol(cS0.layout()));
   Tensor o_coords = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   struct Fragments {

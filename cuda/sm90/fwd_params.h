@@ -6,7 +6,7 @@
 
 #include "fwd_traits.h"
 #include "jfa/params.h"
-#include "mask.h"
+#include "mask_policies.h"
 #include "tile_scheduler.h"
 #include "tma.h"
 
@@ -57,7 +57,7 @@ FwdParams<Traits> make_fwd_params(const AttentionParams& p) {
 // Tile `tile` with its coordinates and the key blocks [n_begin, n_end) it visits (walked from
 // n_end - 1 down to n_begin, fwd_prev_block): every block of S (causal: up to the diagonal), or on
 // the general path those of its position range that may share a segment with it and that the
-// boolean mask leaves a visible key in (mask.h, general_block_range).
+// boolean mask leaves a visible key in (mask_policies.h, general_block_range).
 template <typename Traits, bool kCausal, int kPolicies, typename Scheduler>
 __forceinline__ __device__ TileWork fwd_tile_work(const FwdParams<Traits>& p, const Scheduler& sched, int tile) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;

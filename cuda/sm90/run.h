@@ -19,7 +19,7 @@ cudaError_t run_fwd_dropout(const AttentionParams& p, cudaStream_t stream);
 
 // The backward (bwd_launch.h); for calls with masks, score modifiers or dropout it calls the
 // general path's launcher of the smallest policy set that covers the call (bwd_launch_general.h,
-// one set per instantiation file: mask.h's kBwd*Set).
+// one set per instantiation file: mask_policies.h's kBwd*Set).
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream);
 template <typename Element, int kHeadDim, int kPolicies>

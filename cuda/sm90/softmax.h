@@ -38,7 +38,7 @@ struct OnlineSoftmax {
   }
   // The same for scores that stand for s + shift[r] (per row, this thread's elements of the
   // block): the general path's ALiBi moves a per-block term out of the per-element work
-  // (mask.h, apply_policy). Two more instructions per row and block.
+  // (mask_policies.h, apply_policy). Two more instructions per row and block.
   template <bool kFirst, typename Scores>
   __forceinline__ __device__ bool update(Scores& s, float scale_log2, float (&o_scale)[kRows],
                                          const float (&shift)[kRows]) {
