@@ -1,5 +1,6 @@
-// Masks of the sm80 kernels (dropout: dropout.h). The plain path: key positions past S, and causal (top-left: query i
-// sees keys j <= i), applied only on boundary/diagonal tiles. The general path: see below.
+// Masks of the sm80 kernels (dropout: dropout.h). The plain path: key positions past S, and causal
+// (top-left: query i sees keys j <= i), applied only on boundary/diagonal tiles. The general path:
+// see below.
 #pragma once
 
 #include <cmath>

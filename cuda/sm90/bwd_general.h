@@ -1,8 +1,9 @@
 // The Hopper backward's general path: masks (positions with either causal alignment, windows,
 // valid lengths, segment ids, the boolean mask), score modifiers (soft-capping, bias, ALiBi) and
 // dropout, with the gradients they add: d(bias) and d(ALiBi slopes). The semantics are those of
-// every other path: jfa::visible and jfa::additive_bias (jfa/mask.h, jfa/score_mod.h), soft-capping as the
-// Hopper forward computes it (mask_policies.h, fast_tanh), and jfa::dropout_word's stream (dropout.h).
+// every other path: jfa::visible and jfa::additive_bias (jfa/mask.h, jfa/score_mod.h), soft-capping
+// as the Hopper forward computes it (mask_policies.h, fast_tanh), and jfa::dropout_word's stream
+// (dropout.h).
 //
 // Per key block: the query blocks that may see it (query_range, narrowed by the segment
 // summaries). Per step: whether the (query block, key block) tile needs the per-element predicate.

@@ -535,7 +535,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
     CK(cudaMemset(d_dq, 0xFF, o_elems * 2)); CK(cudaMemset(d_dk, 0xFF, k.size() * 2));
     CK(cudaMemset(d_dv, 0xFF, v.size() * 2)); CK(cudaMemset(d_dqacc, 0xFF, acc_elems * 4));
     CK(cudaMemset(d_D, 0xFF, 2 * stat_rows * 4));
-    if (d_dkvacc != nullptr) CK(cudaMemset(d_dkvacc, 0xFF, size_t(2) * c.B * c.K * p.dkv_accum_rows() * p.accum_cols * 4));
+    if (d_dkvacc != nullptr)
+      CK(cudaMemset(d_dkvacc, 0xFF, size_t(2) * c.B * c.K * p.dkv_accum_rows() * p.accum_cols * 4));
     if (d_dbias != nullptr) CK(cudaMemset(d_dbias, 0xFF, fd.bias.size() * 4));  // NaN: it must zero them
     if (d_dslopes != nullptr) CK(cudaMemset(d_dslopes, 0xFF, size_t(c.B) * c.N * dslope_slots * 4));
     p.lse_log2 = d_D + stat_rows;

@@ -205,9 +205,9 @@ struct AttentionParams {
   Strides do_strides, dq_strides, dk_strides, dv_strides;
 
   // Backward workspace for GPU kernels, provided by the FFI (never allocated per call).
-  // dq_accum: float32 [lanes, B, N, dq_accum_rows(), H or accum_cols], lanes = kDqLanes with deterministic,
-  // else 1. Rows are padded so that every query tile of the backward kernel owns a whole
-  // contiguous block, which the kernel stores in the order its threads hold the dQ fragments
+  // dq_accum: float32 [lanes, B, N, dq_accum_rows(), H or accum_cols], lanes = kDqLanes with
+  // deterministic, else 1. Rows are padded so that every query tile of the backward kernel owns a
+  // whole contiguous block, which the kernel stores in the order its threads hold the dQ fragments
   // (sm80/dq_accum.h): its atomics then cover contiguous spans.
   float* dq_accum = nullptr;
   // Row statistics of the backward, float32 [B, N, dq_accum_rows()] each (rows past T: D = 0 and
@@ -218,8 +218,9 @@ struct AttentionParams {
   float* softmax_d = nullptr;
   float* lse_log2 = nullptr;
   // Causal GQA without deterministic=True only (null otherwise): float32 [2, B, K, dkv_accum_rows(),
-  // H or accum_cols], dK then dV, where the Hopper backward runs a group's query heads in CTAs of their own, which
-  // add their partial dK and dV here (zeroed by its launcher) instead of storing them.
+  // H or accum_cols], dK then dV, where the Hopper backward runs a group's query heads in CTAs of
+  // their own, which add their partial dK and dV here (zeroed by its launcher) instead of storing
+  // them.
   float* dkv_accum = nullptr;
   // Columns of a dq_accum and dkv_accum row (0: H). The Hopper backward runs a head dim between
   // its kernels' on the next larger kernel (sm90/api.h, kernel_head_dim), whose partial sums span
