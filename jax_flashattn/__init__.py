@@ -19,8 +19,10 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from . import batching as _batching  # noqa: F401  (registers the vmap rules)
 from . import sharding as _sharding  # noqa: F401  (registers the partitioned lowerings)
 from . import _sparse_sharding  # noqa: F401  (registers the sparse primitives' partitioned lowerings)
-from ._ext import build_info
+from ._ext import build_info, export_disabled_checks
+from ._version import __version__
 from .attention import flash_attention
+from .autodiff import CHECKPOINT_NAME
 from .context_parallel import context_parallel_attention, load_balance
 from .dropin import dot_product_attention
 from .masks import PackedMask, block_mask, pack_mask
@@ -28,9 +30,7 @@ from .paged import paged_attention
 from .sparse import attn_dist, sparse_attention
 from .varlen import varlen_attention
 
-__version__ = "0.1.0"
-
 __all__ = ["flash_attention", "dot_product_attention", "varlen_attention",
            "context_parallel_attention", "load_balance", "PackedMask", "pack_mask", "block_mask",
            "sparse_attention", "attn_dist", "paged_attention",
-           "build_info", "__version__"]
+           "CHECKPOINT_NAME", "export_disabled_checks", "build_info", "__version__"]

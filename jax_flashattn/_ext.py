@@ -5,25 +5,46 @@ Import has no side effects beyond the registration; `build_info()` says what was
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
+from jax import export
 
 from . import _jax_flashattn as _lib
+from ._version import __version__
 
-FORWARD_TARGET = "jfa_attention_fwd"
-BACKWARD_TARGET = "jfa_attention_bwd"
-PACK_MASK_TARGET = "jfa_pack_mask"
-SPARSE_FORWARD_TARGET = "jfa_sparse_fwd"
-SPARSE_BACKWARD_TARGET = "jfa_sparse_bwd"
-ATTN_DIST_TARGET = "jfa_attn_dist"
+# The targets are registered under the handlers' names with the release appended: a program
+# exported with jax.export names the targets it calls, so under another release it fails to find
+# them instead of running them with other operands or meanings.
+_RELEASE_SUFFIX = "_v" + re.sub(r"\W", "_", __version__)
+
+
+def _target(handler: str) -> str:
+    return handler + _RELEASE_SUFFIX
+
+
+FORWARD_TARGET = _target("jfa_attention_fwd")
+BACKWARD_TARGET = _target("jfa_attention_bwd")
+PACK_MASK_TARGET = _target("jfa_pack_mask")
+SPARSE_FORWARD_TARGET = _target("jfa_sparse_fwd")
+SPARSE_BACKWARD_TARGET = _target("jfa_sparse_bwd")
+ATTN_DIST_TARGET = _target("jfa_attn_dist")
 
 
 @functools.cache
 def register() -> None:
-    for name, capsule in _lib.cpu_targets().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    for name, capsule in _lib.cuda_targets().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    for handler, capsule in _lib.cpu_targets().items():
+        jax.ffi.register_ffi_target(_target(handler), capsule, platform="cpu")
+    for handler, capsule in _lib.cuda_targets().items():
+        jax.ffi.register_ffi_target(_target(handler), capsule, platform="CUDA")
+
+
+def export_disabled_checks() -> list:
+    """What `jax.export.export(..., disabled_checks=...)` needs for a program that calls
+    jax_flashattn: JAX refuses to serialize custom calls it does not know to be stable, and this
+    library's are stable only within one release (their names carry it). The exported program
+    then runs where the same release of jax_flashattn is installed and imported."""
+    return [export.DisabledSafetyCheck.custom_call(_target(handler)) for handler in _lib.cpu_targets()]
 
 
 def has_cuda() -> bool:

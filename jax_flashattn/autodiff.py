@@ -2,7 +2,9 @@
 extra operands.
 
 The backward pass recomputes the softmax from the saved LSE inside the kernel (and regenerates
-the dropout mask from its seeds), so no T×S tensor exists in either direction. The LSE output is
+the dropout mask from its seeds), so no T×S tensor exists in either direction. The saved output
+and LSE carry CHECKPOINT_NAME, so that a remat policy can keep them instead of running the
+forward kernel again in the backward (docs/training.md). The LSE output is
 differentiable: its cotangent enters the backward kernel as D = rowsum(dO∘O) − dLSE. Of the extra
 operands the bias (d(bias) = dS, reduced over its broadcast axes) and the ALiBi slopes
 (d(slope) = −Σ dS·|pos_q − pos_k|, per batch element and head) are differentiable; masks,
@@ -14,14 +16,22 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from . import decode
 from ._compat import pcast_varying, varying_axes
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
+CHECKPOINT_NAME = "jax_flashattn"
 _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for an absent operand
 _REST_SLOPES = Extras._fields.index("alibi_slopes") - 1  # its index in `rest` (Extras without bias)
+
+
+def named_residuals(o, lse):
+    """The forward's output and LSE under CHECKPOINT_NAME (a no-op outside jax.checkpoint): the
+    policy `save_only_these_names(CHECKPOINT_NAME)` then saves them for the backward."""
+    return checkpoint_name(o, CHECKPOINT_NAME), checkpoint_name(lse, CHECKPOINT_NAME)
 
 
 def extra_operands(bias, rest):
@@ -39,8 +49,8 @@ def attention_core(q, k, v, bias, rest, scale, config, implementation):
 
 
 def _fwd(q, k, v, bias, rest, scale, config, implementation):
-    o, lse = attention_fwd_p.bind(q, k, v, *extra_operands(bias, rest), scale=scale,
-                                  config=config, implementation=implementation)
+    o, lse = named_residuals(*attention_fwd_p.bind(q, k, v, *extra_operands(bias, rest), scale=scale,
+                                                   config=config, implementation=implementation))
     return (o, lse), (q, k, v, o, lse, bias, rest)
 
 

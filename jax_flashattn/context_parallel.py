@@ -42,7 +42,7 @@ import numpy as np
 from . import _options, _validate
 from ._compat import pcast_varying, varying_axes
 from ._lse_merge import merge_by_lse
-from .autodiff import attention, extra_operands, vary_together
+from .autodiff import attention, extra_operands, named_residuals, vary_together
 from .masks import PackedMask
 from .primitives import attention_bwd_p, attention_fwd_p
 
@@ -406,7 +406,7 @@ def _ring_forward(q, k, v, kw, ring):
 
 
 def _ring_fwd(q, k, v, kw, ring):
-    o, lse = _ring_forward(q, k, v, kw, ring)
+    o, lse = named_residuals(*_ring_forward(q, k, v, kw, ring))
     return (o, lse), (q, k, v, kw, o, lse)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _validate
 from ._sparse_primitives import SparseConfig, attn_dist_p, sparse_bwd_p, sparse_fwd_p
-from .autodiff import vary_together
+from .autodiff import named_residuals, vary_together
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for value=None
@@ -169,7 +169,7 @@ def _sparse_core(q, k, v, indices, config):
 
 
 def _sparse_fwd(q, k, v, indices, config):
-    o, lse = sparse_fwd_p.bind(q, k, _value_operand(v), indices, config=config)
+    o, lse = named_residuals(*sparse_fwd_p.bind(q, k, _value_operand(v), indices, config=config))
     return (o, lse), (q, k, v, indices, o, lse)
 
 
