@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 from jax.extend.core import Primitive  # noqa: F401  (jax >= 0.4.36)
-from jax.interpreters import batching, mlir  # noqa: F401
+from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 # The batch dim of an operand vmap does not map (jax._src.interpreters.batching.not_mapped).
 not_mapped = None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from . import decode
-from ._compat import pcast_varying, varying_axes
+from ._compat import ad, pcast_varying, varying_axes
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
@@ -70,6 +70,23 @@ def _bwd(scale, config, implementation, residuals, cotangents):
 
 
 attention_core.defvjp(_fwd, _bwd)
+
+
+def reverse_mode_only(*primitives):
+    """Forward-mode differentiation of these primitives (jax.jvp of a gradient: jax.hessian,
+    jax.jacfwd of jax.grad) raises an error that says so, instead of JAX's bare "rule not
+    implemented": the kernels have a reverse-mode rule only, as cuDNN's attention does."""
+    def rule(primals, tangents, **params):
+        raise NotImplementedError(
+            "jax_flashattn's attention has reverse-mode gradients only (jax.grad, jax.vjp, "
+            "jax.jacrev); forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
+            "jax.linearize) is not implemented. For higher derivatives use "
+            "jax.nn.dot_product_attention(..., implementation='xla').")
+    for primitive in primitives:
+        ad.primitive_jvps[primitive] = rule
+
+
+reverse_mode_only(attention_fwd_p, attention_bwd_p)
 
 
 def attention(q, k, v, scale, config, extras: Extras, implementation):

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _validate
 from ._sparse_primitives import SparseConfig, attn_dist_p, sparse_bwd_p, sparse_fwd_p
-from .autodiff import named_residuals, vary_together
+from .autodiff import named_residuals, reverse_mode_only, vary_together
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 _PLACEHOLDER = jnp.int32  # dtype of the rank-0 stand-in for value=None
@@ -183,6 +183,7 @@ def _sparse_bwd(config, residuals, cotangents):
 
 
 _sparse_core.defvjp(_sparse_fwd, _sparse_bwd)
+reverse_mode_only(sparse_fwd_p, sparse_bwd_p)
 
 
 def _check_lse_base(lse_base):

@@ -139,3 +139,17 @@ def test_alibi_slope_gradient_under_vmap(slopes_shape, mapped):
     ref = jax.vmap(jax.grad(loss(ref_fn)), in_axes=in_axes)(slopes.astype(jnp.float32), q, k, v)
     assert ours.dtype == jnp.bfloat16 and ours.shape == (V,) + shape
     assert rel_err(ours, ref) <= 1e-2, f"seed {seed}: {rel_err(ours, ref)}"  # bfloat16 rounding
+
+
+@pytest.mark.parametrize("function", ["flash_attention", "sparse_attention"])
+def test_forward_mode_of_the_gradient_says_it_is_unsupported(function):
+    """jax.hessian / jacfwd(grad) reach the kernels' primitives in forward mode: a clear error,
+    not JAX's bare "differentiation rule not implemented"."""
+    q, k, v = random_qkv(fresh_seed(), 1, 9, 9, 2, 1, 16)
+    if function == "flash_attention":
+        loss = lambda q: jnp.sum(jfa.flash_attention(q, k, v, is_causal=True))  # noqa: E731
+    else:
+        indices = jnp.zeros((1, 9, 1, 4), jnp.int32)
+        loss = lambda q: jnp.sum(jfa.sparse_attention(q, k, v, indices))  # noqa: E731
+    with pytest.raises(NotImplementedError, match="reverse-mode gradients only.*jax.hessian"):
+        jax.hessian(loss)(q)
