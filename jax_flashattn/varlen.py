@@ -69,6 +69,8 @@ def _check_offsets(name, cu, rows, max_name, max_len):
 
 def _pad(x, cu, lengths, max_len):
     """[total, ...] packed rows → [num_seqs, max_len, ...], zero past each sequence's length."""
+    if x.shape[0] == 0:  # every sequence is empty: there is no row to gather from
+        return jnp.zeros((lengths.shape[0], max_len) + x.shape[1:], x.dtype)
     t = jnp.arange(max_len)
     rows = jnp.clip(cu[:-1, None] + t[None, :], 0, x.shape[0] - 1)
     valid = t[None, :] < lengths[:, None]

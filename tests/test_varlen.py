@@ -65,6 +65,29 @@ def test_matches_each_sequence_alone(kw):
         assert rel_err(g, r) <= 4e-5, f"seed {seed}"
 
 
+@pytest.mark.parametrize("empty", ["keys", "queries"])
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(mask=jnp.ones((1, 1, 5, 4), bool))],
+                         ids=["unpadded", "causal", "mask"])
+def test_packings_without_rows(empty, kw):
+    """Every key (or query) sequence empty: zero packed rows on that side, on both paths. Query
+    rows then see no key (out 0, LSE -inf, zero gradients); with no query rows there is nothing."""
+    q, k, v, cu_q, cu_k = _packed(fresh_seed(), [2, 3], [0, 0] if empty == "keys" else [4, 1],
+                                  extra_rows=0)
+    if empty == "queries":
+        q, cu_q = q[:0], jnp.zeros(3, jnp.int32)
+
+    def loss(q, k, v):
+        out, lse = jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=5, max_seqlen_k=4,
+                                        return_lse=True, **kw)
+        return jnp.sum(out), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert out.shape == q.shape[:2] + (v.shape[-1],) and lse.shape == q.shape[:2]
+    assert not np.any(np.asarray(out)) and np.all(np.isneginf(np.asarray(lse)))
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and not np.any(np.asarray(g))
+
+
 def test_dropout_coordinates_are_per_sequence():
     """Sequence b's dropout mask is the batched mask of batch element b at its own positions."""
     rng = jax.random.key(fresh_seed())
