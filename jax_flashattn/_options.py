@@ -192,10 +192,12 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
         slopes = jnp.asarray(alibi_slopes)
         if unbatched and slopes.ndim == 1:
             slopes = slopes[None]
-        if not jnp.issubdtype(slopes.dtype, jnp.floating) or slopes.ndim not in (1, 2) or \
+        floating = jnp.issubdtype(slopes.dtype, jnp.floating)
+        if not floating or slopes.ndim not in (1, 2) or \
                 slopes.shape[-1] != N or (slopes.ndim == 2 and slopes.shape[0] not in (1, B)):
-            raise ValueError(f"alibi_slopes must be float [N] or [B, N] with B={B}, N={N}, "
-                             f"got {slopes.dtype} {jnp.shape(alibi_slopes)}")
+            raise (ValueError if floating else TypeError)(
+                f"alibi_slopes must be float [N] or [B, N] with B={B}, N={N}, "
+                f"got {slopes.dtype} {jnp.shape(alibi_slopes)}")
         # Differentiable (learned slopes): the gradient flows back through reshape and cast.
         ex["alibi_slopes"] = slopes.reshape((-1, N)).astype(jnp.float32)
     if rate > 0:

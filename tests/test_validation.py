@@ -138,6 +138,7 @@ def _qkv():
     (dict(local_window_size=(1, 2, 3)), ValueError, ["local_window_size"]),
     (dict(causal_alignment="bottom"), ValueError, ["causal_alignment", "bottom_right"]),
     (dict(alibi_slopes=jnp.ones((3,))), ValueError, ["alibi_slopes", "N=4"]),
+    (dict(alibi_slopes=jnp.ones((4,), jnp.int32)), TypeError, ["alibi_slopes", "float", "int32"]),
     (dict(deterministic="yes"), TypeError, ["deterministic"]),
 ], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
 def test_mask_keyword_errors_name_the_argument(kw, error, words):
