@@ -335,10 +335,12 @@ def _backward_kind(ring, kind, q, k, v, o, lse, do, dlse, kw, kv_ids, rank, sour
                 implementation=ring.implementation)
             dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
             if kw.bias is not None:
+                # Whether an axis is the bias's own follows the bias, not this result: a call of
+                # one row or one key gives a size-1 axis either way.
                 dbias = dbias.astype(jnp.float32)
-                if dbias.shape[2] != 1:
+                if kw.bias.shape[2] != 1:
                     dbias = _pad_axis(dbias, 2, r0, T - r1, 0.0, q)
-                if dbias.shape[3] != 1:
+                if kw.bias.shape[3] != 1:
                     dbias = _pad_axis(dbias, 3, c0, S - c1, 0.0, q)
                 dbias = _vary_like(dbias, q)
             else:

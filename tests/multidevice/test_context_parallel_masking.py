@@ -144,6 +144,25 @@ def test_other_device_counts_and_check_vma(strategy, n, check_vma):
     assert_matches(seed, got, ref)
 
 
+@pytest.mark.parametrize("extra", ["plain", "alibi", "window"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_chunks_of_one_row_with_a_full_bias(strategy, extra):
+    """Two rows per device, load-balanced: every kernel call covers one query row or one key, so
+    its d(bias) has size-1 axes that are still the bias's own (to be placed, not broadcast)."""
+    n = 4
+    mesh = cpu_mesh((n,), ("cp",))
+    seed = fresh_seed()
+    q, k, v, ids, bias, mask, q_len, kv_len, cotangents = problem(
+        seed, B=2, T=2 * n, N=2, K=1, bias_shape=(2, 2, 2 * n, 2 * n))
+    extras = {"plain": {}, "alibi": dict(alibi_slopes=jnp.array([0.3, 0.7])),
+              "window": dict(local_window_size=(2, 1))}[extra]
+    kw = dict(strategy=strategy, is_causal=True, **extras)
+    args = (q, k, v, ids, bias, None, q_len, None, cotangents)
+    got = jax.jit(lambda *a: forward_and_grads(context_parallel(mesh, n, True, **kw), *a))(*args)
+    ref = forward_and_grads(lambda *a: single_device(*a, **kw), *args)
+    assert_matches(seed, got, ref)
+
+
 def test_bottom_right_without_causality_or_lengths_is_accepted():
     mesh = cpu_mesh((4,), ("cp",))
     seed = fresh_seed()
