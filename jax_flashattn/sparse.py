@@ -65,6 +65,13 @@ def _check_indices(fn, indices, query, key):
     """indices as int32 [..., T, K, topk]; wider integers outside [0, S) become -1 (invalid)."""
     *qb, T, _, _ = query.shape
     S, K = key.shape[-3], key.shape[-2]
+    if not isinstance(indices, jax.Array):
+        # Host integers are mapped before they become a JAX array, which without jax_enable_x64
+        # would wrap int64 values such as 2**32 + 1 into valid keys.
+        host = np.asarray(indices)
+        if np.issubdtype(host.dtype, np.integer) and host.dtype != np.int32:
+            host = np.where((host >= 0) & (host < S), host, -1).astype(np.int32)
+        indices = jnp.asarray(host)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"{fn}: indices must be an integer array (int32), got {indices.dtype} {indices.shape}")
     if indices.ndim != query.ndim or list(indices.shape[:-1]) != qb + [T, K]:
@@ -133,7 +140,7 @@ def sparse_attention(query, key, value, indices, *, scale=None, is_causal=False,
     query, key = jnp.asarray(query), jnp.asarray(key)
     _check_query_key("sparse_attention", query, key)
     value, Hv = _check_value(value, key, value_head_dim)
-    indices = _check_indices("sparse_attention", jnp.asarray(indices), query, key)
+    indices = _check_indices("sparse_attention", indices, query, key)
     config = SparseConfig(scale=_validate.check_scale(scale, query.shape[-1]),
                           is_causal=_check_flag("is_causal", is_causal),
                           bottom_right=_check_alignment(causal_alignment), value_head_dim=Hv,
@@ -220,7 +227,7 @@ def attn_dist(query, key, indices, lse, *, scale=None, head_group=64, lse_base="
     """
     query, key = jnp.asarray(query), jnp.asarray(key)
     _check_query_key("attn_dist", query, key)
-    indices = _check_indices("attn_dist", jnp.asarray(indices), query, key)
+    indices = _check_indices("attn_dist", indices, query, key)
     lse = jnp.asarray(lse)
     if lse.shape != query.shape[:-1] or not jnp.issubdtype(lse.dtype, jnp.floating):
         raise ValueError(f"attn_dist: lse must be float [..., T, N] = {query.shape[:-1]} (query "

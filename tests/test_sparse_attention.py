@@ -274,6 +274,19 @@ def test_wider_integer_indices_out_of_range_are_invalid():
     assert rel_err(jfa.sparse_attention(q, k, v, wide), jfa.sparse_attention(q, k, v, indices)) == 0.0
 
 
+def test_host_int64_indices_beyond_int32_are_invalid():
+    """NumPy int64 indices past the int32 range select nothing (a JAX array made from them
+    without jax_enable_x64 would wrap 2**32 + 1 to key 1 and -2**32 to key 0)."""
+    q, k, v, _, _, _ = random_case(fresh_seed(), 1, 2, 4, 2, 1, 8, 8, 2)
+    far = np.array([[[[2**32 + 1, -2**32]], [[2**33 + 3, 1]]]], np.int64)
+    out, lse = jfa.sparse_attention(q, k, v, far, return_lse=True)
+    assert not np.any(np.asarray(out[0, 0])) and np.all(np.isneginf(np.asarray(lse[0, 0])))
+    only_key_1 = jfa.sparse_attention(q, k, v, jnp.array([[[[1, -1]]]], jnp.int32).repeat(2, axis=1))
+    np.testing.assert_array_equal(np.asarray(out[0, 1]), np.asarray(only_key_1[0, 1]))
+    lse_far = jfa.sparse_attention(q, k, v, far[..., :1], return_lse=True)[1]
+    assert jfa.attn_dist(q, k, far, lse_far, head_group=2)[0, 0, 0].tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("shared_value", [False, True])
 def test_cuda_lowering(shared_value):
     """Lowering for CUDA, forward, backward (both scatter modes) and attn_dist, works without a GPU
