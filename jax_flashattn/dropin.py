@@ -7,7 +7,8 @@ jax.nn's meaning (the mask boolean, as jax.nn requires, or a jax_flashattn.Packe
 jax_flashattn's other keywords (causal_alignment, segment ids, softcap, ALiBi, dropout,
 deterministic) follow as extra keyword-only arguments with flash_attention's meaning.
 One deliberate difference: a query row with no key to attend to gives 0, where jax.nn averages
-all values (rows beyond query_seq_lengths are 0 in both).
+all values (rows beyond query_seq_lengths are 0 in both); its residual (return_residual=True)
+is -inf, where jax.nn's is a large negative finite number.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                      "alibi_slopes": alibi_slopes is not None, "dropout_rate": dropout_rate != 0.0,
                      "deterministic": bool(deterministic)}
         used = [name for name, given in ours_only.items() if given]
+        if isinstance(mask, PackedMask):
+            used.append("mask (a PackedMask)")
         if used:
             raise ValueError(f"{', '.join(used)}: jax_flashattn keywords that jax.nn "
                              f"(implementation={implementation!r}) does not have")

@@ -177,6 +177,9 @@ def test_our_keywords_are_refused_by_the_jax_nn_passthrough():
     q, k, v = random_qkv(fresh_seed(), 1, 8, 8, 2, 2, 16)
     with pytest.raises(ValueError, match="softcap"):
         jfa.dot_product_attention(q, k, v, softcap=2.0, implementation="xla")
+    packed = jfa.pack_mask(jnp.ones((1, 1, 8, 8), bool))
+    with pytest.raises(ValueError, match="PackedMask"):
+        jfa.dot_product_attention(q, k, v, mask=packed, implementation="xla")
 
 
 def test_jax_nn_shape_rules():
