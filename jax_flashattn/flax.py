@@ -12,8 +12,9 @@ too, but is_causal also skips the masked tiles). Other jax_flashattn keywords (s
 alibi_slopes, local_window_size, ...) can be bound the same way with functools.partial.
 
 Inputs may have several leading batch axes, as Flax allows ([batch..., T, N, H]): they are folded
-into one for the kernels and unfolded in the output, masks and biases with them (a mask or bias
-broadcast over every batch axis stays unexpanded). Masks and biases broadcastable to
+into one for the kernels and unfolded in the output, masks, biases and bound per-batch keywords
+(lengths, segment ids, ALiBi slopes [batch..., N]) with them (a mask or bias broadcast over every
+batch axis stays unexpanded). Masks and biases broadcastable to
 [batch..., N, T, S] are passed to the kernels as they are. Masks may have any dtype, as in Flax's
 own attention (nonzero = attend: `make_causal_mask` gives float32), or be a
 jax_flashattn.PackedMask. A query row whose mask lets it see no key gives 0, where Flax's
@@ -86,6 +87,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     if len(batch_shape) > 1:
         query, key, value = (x.reshape((math.prod(batch_shape),) + x.shape[-3:]) for x in (query, key, value))
         bias, mask = (_fold_batch_axes(x, batch_shape) for x in (bias, mask))
+        ours = _fold_per_batch_keywords(ours, batch_shape)
     rate = 0.0 if deterministic else float(dropout_rate)
     out = flash_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                           implementation=implementation, dropout_rate=rate,
@@ -109,6 +111,26 @@ def _fold_batch_axes(x, batch_shape):
         return x.reshape((1,) + x.shape[-3:])
     x = jnp.broadcast_to(x.reshape(lead + x.shape[-3:]), batch_shape + x.shape[-3:])
     return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+
+
+# flash_attention's per-batch keywords and the axes each has after the batch: lengths [B],
+# segment ids [B, T|S], ALiBi slopes [B, N].
+_PER_BATCH_TRAILING_AXES = {"query_seq_lengths": 0, "key_value_seq_lengths": 0,
+                            "q_segment_ids": 1, "kv_segment_ids": 1, "alibi_slopes": 1}
+
+
+def _fold_per_batch_keywords(keywords, batch_shape):
+    """Per-batch keywords given over Flax's batch axes ([batch..., ...], broadcastable) folded into
+    the kernels' one batch axis; those given already folded, or shared ([N] slopes), as they are."""
+    folded = dict(keywords)
+    for name, trailing in _PER_BATCH_TRAILING_AXES.items():
+        if folded.get(name) is None:
+            continue
+        x = jnp.asarray(folded[name])
+        if x.ndim == len(batch_shape) + trailing:
+            rest = x.shape[x.ndim - trailing:]
+            folded[name] = jnp.broadcast_to(x, batch_shape + rest).reshape((math.prod(batch_shape),) + rest)
+    return folded
 
 
 def _check_shapes(query, key, value):

@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from util import fresh_seed, rel_err
@@ -12,6 +13,7 @@ from util import fresh_seed, rel_err
 flax = pytest.importorskip("flax")
 from flax import linen, nnx  # noqa: E402
 
+from jax_flashattn import flash_attention  # noqa: E402
 from jax_flashattn.flax import attention_fn  # noqa: E402
 
 
@@ -120,6 +122,27 @@ def test_several_batch_axes_fold_with_their_masks_and_biases():
     expected = jax.grad(lambda q, k, v: jnp.sum(_reference(q, k, v, bias, True) ** 2), (0, 1, 2))(q, k, v)
     for g, e in zip(grads, expected):
         assert rel_err(g, e) <= 1e-4, f"seed {seed}"
+
+
+def test_several_batch_axes_fold_bound_per_batch_keywords():
+    """Lengths, segment ids and ALiBi slopes bound over Flax's batch axes ([2, 3, ...]) or given
+    already folded ([6, ...]) give what the folded call gives."""
+    seed = fresh_seed() % 2**31
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, T, 2, 8)), jnp.float32) for T in (11, 13, 13))
+    lengths = jnp.asarray(rng.integers(1, 12, (2, 3)), jnp.int32)
+    kv_lengths = jnp.asarray(rng.integers(1, 14, (2, 3)), jnp.int32)
+    q_ids = jnp.asarray(np.sort(rng.integers(0, 2, (2, 3, 11)), axis=-1), jnp.int32)
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 2, (2, 3, 13)), axis=-1), jnp.int32)
+    slopes = jnp.asarray(rng.random((2, 3, 2)), jnp.float32)
+    nested = dict(query_seq_lengths=lengths, key_value_seq_lengths=kv_lengths, q_segment_ids=q_ids,
+                  kv_segment_ids=kv_ids, alibi_slopes=slopes)
+    folded = {name: x.reshape((6,) + x.shape[2:]) for name, x in nested.items()}
+    fold = lambda x: x.reshape((6,) + x.shape[2:])  # noqa: E731
+    expected = flash_attention(fold(q), fold(k), fold(v), is_causal=True, **folded).reshape(q.shape[:-1] + (8,))
+    for given in (nested, folded):
+        out = functools.partial(attention_fn, is_causal=True, **given)(q, k, v)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
 def test_nnx_sow_weights_records_flax_weights():
