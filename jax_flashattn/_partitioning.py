@@ -98,7 +98,10 @@ def head_factors(mesh, N, *coarse) -> HeadFactors:
         else:
             dims.append(f"n{i}")
             own.append(f"n{i}")
-    return HeadFactors(query, tuple(dims), sizes, tuple(sizes), ("n", *sizes, *own))
+    rest = tuple(sizes)
+    if shared != N and "n" not in dims:  # "n" only inside compounds: Shardy needs its size
+        sizes["n"] = shared
+    return HeadFactors(query, tuple(dims), sizes, rest, ("n", *rest, *own))
 
 
 def replication_order(whole, mappings):

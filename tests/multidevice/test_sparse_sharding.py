@@ -194,6 +194,21 @@ def test_heads_that_would_split_a_group_are_gathered():
     check_equal(dist, group4(q, k, indices, lse), seed)
 
 
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("spec", [P("x"), P(None, None, "x")], ids=["batch", "heads"])
+def test_attn_dist_groups_sharing_only_part_of_the_kv_heads(spec, shardy):
+    """12 heads, 4 K/V heads, 6 groups of 2: the head factor both coarse dimensions share (2)
+    stands only inside compounds, whose size the Shardy rule must then give."""
+    mesh = cpu_mesh((2,), ("x",))
+    seed = fresh_seed()
+    q, k, v, indices, _, _ = problem(seed, N=12, K=4)
+    lse = jfa.sparse_attention(q, k, v, indices, return_lse=True, is_causal=True)[1]
+    args = [put(mesh, x, spec if x.ndim == 4 else P(*spec[:3])) for x in (q, k, indices, lse)]
+    with partitioner(shardy):
+        dist = jax.jit(distribution)(*args)
+    check_equal(dist, jax.jit(distribution)(q, k, indices, lse), seed)
+
+
 def test_attn_dist_split_that_shardy_cannot_carry_follows_a_constraint():
     # 4 head groups on a 2×4 mesh, where 8 heads may split 8 ways: the result's group axis gets a
     # Shardy factor of its own, and the split it is asked for costs no collective.
