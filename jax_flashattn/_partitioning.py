@@ -58,14 +58,14 @@ class HeadFactors(NamedTuple):
     names: tuple       # every factor above, to keep the heads whole where a call needs that
 
 
-def _fits_every_head_split(mesh, N, size) -> bool:
-    """Whether `size` divides by every number of shards the mesh can split N heads into (the
-    product of any of its axes that divides N)."""
+def _fits_every_head_split(mesh, size) -> bool:
+    """Whether `size` divides by every number of shards the mesh can split heads into (the
+    product of any of its axes; a split that does not divide the heads is uneven, and Shardy
+    would carry it onto the tied dimension as sub-axes)."""
     axis_sizes = list(getattr(mesh, "shape", {}).values())
     for count in range(1, len(axis_sizes) + 1):
         for axes in itertools.combinations(axis_sizes, count):
-            shards = math.prod(axes)
-            if N % shards == 0 and size % shards:
+            if size % math.prod(axes):
                 return False
     return True
 
@@ -80,7 +80,7 @@ def head_factors(mesh, N, *coarse) -> HeadFactors:
     where a factor does not divide by it (which custom_partitioning cannot express), so a coarse
     dimension joins the compound only where its size divides by every head split the mesh allows;
     elsewhere it gets a factor of its own and the partition callback matches it."""
-    tied = [size for size in coarse if size != N and _fits_every_head_split(mesh, N, size)]
+    tied = [size for size in coarse if size != N and _fits_every_head_split(mesh, size)]
     shared = math.gcd(*tied) if tied else N
     if shared == 1:  # Shardy refuses a factor of size 1 inside a compound
         tied, shared = [], N

@@ -42,8 +42,9 @@ def _head_group(kind, params):
 def _plan(kind, mesh, shapes, params, q_sharding):
     """The mesh axes along which the call stays sharded: (batch, query heads, K/V heads); the K/V
     heads are replicated where one K/V head serves every query head (MQA)."""
-    N, K = shapes[0][2], shapes[1][2]
+    B, N, K = shapes[0][0], shapes[0][2], shapes[1][2]
     batch, heads = dim_axes(q_sharding, 4, 0), dim_axes(q_sharding, 4, 2)
+    batch = batch if B % shard_count(mesh, batch) == 0 else ()  # rows of padded blocks are undefined
     shards = shard_count(mesh, heads)
     if not whole_groups_per_shard(N, K, _head_group(kind, params), shards):
         heads = ()

@@ -103,10 +103,16 @@ class _Plan:
         return self.query + tuple(a for a in self.heads if a not in self.kv_heads)
 
 
+def _even(mesh, axes, size) -> tuple:
+    """`axes` if they split `size` evenly, else none: an uneven split pads the last blocks with
+    rows of no defined value, which the backward's sums over the split would add in."""
+    return axes if size % shard_count(mesh, axes) == 0 else ()
+
+
 def _plan(config, mesh, shapes, q_sharding, k_sharding) -> _Plan:
-    N, K = shapes[0][2], shapes[1][2]
-    batch = dim_axes(q_sharding, 4, 0)
-    query = dim_axes(q_sharding, 4, 1) if _query_offsets_supported(config, shapes) else ()
+    (B, T, N, _), K = shapes[0], shapes[1][2]
+    batch = _even(mesh, dim_axes(q_sharding, 4, 0), B)
+    query = _even(mesh, dim_axes(q_sharding, 4, 1), T) if _query_offsets_supported(config, shapes) else ()
     heads = dim_axes(q_sharding, 4, 2)
     shards = shard_count(mesh, heads)
     if config.dropout_rate or N % shards or (K % shards and K != 1):

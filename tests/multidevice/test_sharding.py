@@ -291,6 +291,37 @@ def test_heads_that_do_not_split_by_group_are_gathered():
     check_equal(sharded, jax.jit(f)(q, k, v, do, dlse), seed)
 
 
+UNEVEN_CASES = {  # devices, (B, T, N, K), the query split asked for with a sharding constraint
+    "batch-2-over-4": (4, (2, 8, 2, 2), P("x")),
+    "queries-2-over-4": (4, (1, 2, 2, 2), P(None, "x")),
+    "queries-12-over-8-mqa": (8, (1, 12, 4, 1), P(None, "x")),
+    "heads-12-over-8-gqa": (8, (2, 4, 12, 6), P(None, None, "x")),
+}
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("case", list(UNEVEN_CASES))
+def test_uneven_splits_are_gathered_and_exact(case, shardy):
+    """A split that does not divide its dimension (asked for inside jit, where XLA pads the last
+    blocks with undefined rows) is gathered: the backward's sums over the split never add them."""
+    n, (B, T, N, K), spec = UNEVEN_CASES[case]
+    mesh = cpu_mesh((n,), ("x",))
+    seed = fresh_seed()
+    q, k, v, do, dlse = inputs(seed, B, T, 8, N, K, 8)
+    bias = jax.random.normal(jax.random.key(seed + 2), (1, 1, 1, 8))
+
+    def f(q, k, v, do, dlse, bias, constrain):
+        if constrain:
+            q, do = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) for x in (q, do))
+            if spec == P("x"):  # keys and values follow a batch split
+                k, v = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) for x in (k, v))
+        return forward_and_grads(q, k, v, do, dlse, differentiable=("bias",), bias=bias, is_causal=True)
+
+    with partitioner(shardy):
+        sharded = jax.jit(f, static_argnums=6)(q, k, v, do, dlse, bias, True)
+    check_equal(sharded, jax.jit(f, static_argnums=6)(q, k, v, do, dlse, bias, False), seed)
+
+
 def test_operands_broadcast_over_sharded_axes_sum_their_gradients():
     mesh = cpu_mesh((2, 4), ("x", "y"))
     seed = fresh_seed()
