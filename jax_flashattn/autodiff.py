@@ -63,8 +63,10 @@ def _bwd(scale, config, implementation, residuals, cotangents):
                                                       *extra_operands(bias, rest), scale=scale,
                                                       config=config, implementation=implementation)
     slopes = rest[_REST_SLOPES]
-    if slopes is not None and slopes.shape[0] == 1:  # shared by the batch: sum its elements' shares
-        dslopes = jnp.sum(dslopes, axis=0, keepdims=True)
+    if slopes is not None:
+        if slopes.shape[0] == 1:  # shared by the batch: sum its elements' shares
+            dslopes = jnp.sum(dslopes, axis=0, keepdims=True)
+        dslopes = like_sharding(dslopes, slopes)
     d_rest = tuple(dslopes if i == _REST_SLOPES and x is not None else None for i, x in enumerate(rest))
     return dq, dk, dv, (None if bias is None else dbias), d_rest
 
@@ -123,6 +125,15 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
     return jax.lax.platform_dependent(
         q, k, v, default=lambda q, k, v: call(q, k, v, config, extras),
         cuda=lambda q, k, v: decode.split_kv_attention(q, k, v, config, extras, plan, call))
+
+
+def like_sharding(gradient, primal):
+    """The gradient laid out as its primal, which custom_vjp requires of its type: with Explicit
+    mesh axes the kernels type d(slopes) from the query's split, which the slopes need not share."""
+    want = jax.typeof(primal).sharding
+    if getattr(want, "spec", None) is None or jax.typeof(gradient).sharding.spec == want.spec:
+        return gradient
+    return jax.sharding.reshard(gradient, want.spec)
 
 
 def vary_together(*operands):

@@ -251,6 +251,31 @@ def test_explicit_mesh_axes_keep_the_query_sequence_sharded():
     assert sharded[0][0].sharding.is_equivalent_to(NamedSharding(mesh, rows), 4)
 
 
+@pytest.mark.parametrize("slopes_shape", ["N", "BN"])
+@pytest.mark.parametrize("q_spec,slopes_split", [(P(None, None, "y"), False), (P(), True),
+                                                 (P("y"), False)], ids=["heads", "slopes-only", "batch"])
+def test_explicit_mesh_axes_give_slopes_their_own_gradient_layout(q_spec, slopes_split, slopes_shape):
+    """d(slopes) takes the slopes' own sharding, whichever way the query is split (custom_vjp
+    requires a gradient typed as its primal)."""
+    mesh = cpu_mesh((2,), ("y",), jax.sharding.AxisType.Explicit)
+    seed = fresh_seed()
+    B, T, S, N, K, H = 2, 8, 8, 4, 4, 8
+    q, k, v, do, dlse = inputs(seed, B, T, S, N, K, H)
+    slopes = keyword_arrays(seed, B, T, S, N)["slopes"]
+    slopes = slopes if slopes_shape == "N" else jnp.stack([slopes, 2 * slopes])
+    slopes_spec = P(*([None] * (slopes.ndim - 1) + ["y"])) if slopes_split else P()
+
+    def f(q, k, v, do, dlse, slopes):
+        return forward_and_grads(q, k, v, do, dlse, ("alibi_slopes",), is_causal=True, alibi_slopes=slopes)
+
+    with jax.sharding.set_mesh(mesh):
+        args = [put(mesh, q, q_spec), put(mesh, k, q_spec), put(mesh, v, q_spec), put(mesh, do, q_spec),
+                put(mesh, dlse, P(*q_spec[:3])), put(mesh, slopes, slopes_spec)]
+        sharded = jax.jit(f)(*args)
+    assert sharded[1][3].sharding.is_equivalent_to(NamedSharding(mesh, slopes_spec), slopes.ndim)
+    check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, slopes), seed, bound=1e-5)
+
+
 FALLBACK_CASES = {  # query positions a device cannot offset: gathered, still exact
     "bottom-right-lengths-dropout": dict(is_causal=True, causal_alignment="bottom_right",
                                          key_value_seq_lengths="kv_lengths", dropout_rate=0.3,
