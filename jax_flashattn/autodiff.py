@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import decode
 from ._compat import ad, pcast_varying, varying_axes
+from ._explicit_sharding import explicitly_sharded
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
@@ -119,7 +120,9 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
     def call(q, k, v, config, extras):
         return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)
 
-    plan = decode.split_plan(q.shape, k.shape, config, extras, implementation)
+    # The split's reshapes and stacks carry no shardings, which Explicit mesh axes require.
+    plan = None if explicitly_sharded(q, k, v) else decode.split_plan(q.shape, k.shape, config, extras,
+                                                                       implementation)
     if plan is None:
         return call(q, k, v, config, extras)
     return jax.lax.platform_dependent(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _validate
+from ._explicit_sharding import take_rows, whole_axes
 from .attention import flash_attention
 from .decode import _MIN_CHUNK, chunk_counts
 
@@ -145,9 +146,11 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lengths, *, 
     # since a masked probability of 0 times a NaN value would still be NaN.
     valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
 
+    ids = whole_axes(ids, (1,))  # a sequence's pages on one device: merged with their rows below
+
     def contiguous(cache):
         # mode="clip" clamps the page ids inside the gather, so a traced bad id reads a real page.
-        gathered = jnp.take(cache, ids, axis=0, mode="clip")
+        gathered = take_rows(cache, ids, mode="clip")
         gathered = gathered.reshape((B, rows) + cache.shape[2:])
         return jnp.where(valid, gathered, jnp.zeros((), cache.dtype))
 

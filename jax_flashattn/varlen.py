@@ -27,6 +27,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from ._explicit_sharding import take_rows, whole_axes
 from ._validate import concrete
 from .attention import flash_attention
 
@@ -74,7 +75,7 @@ def _pad(x, cu, lengths, max_len):
     t = jnp.arange(max_len)
     rows = jnp.clip(cu[:-1, None] + t[None, :], 0, x.shape[0] - 1)
     valid = t[None, :] < lengths[:, None]
-    padded = x[rows]
+    padded = take_rows(x, rows)
     return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), padded, 0)
 
 
@@ -85,7 +86,8 @@ def _unpad(y, cu, total, fill):
     b = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, cu.shape[0] - 2)
     t = r - cu[b]
     valid = (r >= cu[0]) & (r < cu[-1]) & (t < y.shape[1])
-    picked = y[b, jnp.clip(t, 0, y.shape[1] - 1)]
+    flat = whole_axes(y, (0, 1)).reshape((-1,) + y.shape[2:])
+    picked = take_rows(flat, b * y.shape[1] + jnp.clip(t, 0, y.shape[1] - 1))
     return jnp.where(valid.reshape(valid.shape + (1,) * (y.ndim - 2)), picked, fill)
 
 

@@ -276,6 +276,58 @@ def test_explicit_mesh_axes_give_slopes_their_own_gradient_layout(q_spec, slopes
     check_equal(sharded, jax.jit(f)(q, k, v, do, dlse, slopes), seed, bound=1e-5)
 
 
+def _decode_case(rng):
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
+               ((4, 1, 8, 16), (4, 1024, 2, 16), (4, 1024, 2, 16)))
+    lengths = rng.integers(1, 1025, (4,)).astype(np.int32)
+
+    def f(q, k, v, lengths):
+        return jfa.flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                                   key_value_seq_lengths=lengths)
+    return f, (q, k, v, lengths), (P("y"),) * 4
+
+
+def _paged_case(rng):
+    page, pages = 4, 12
+    q = rng.standard_normal((4, 2, 4, 8)).astype(np.float32)
+    caches = [rng.standard_normal((pages, page, 2, 8)).astype(np.float32) for _ in range(2)]
+    table = rng.permutation(pages)[:12].reshape(4, 3).astype(np.int32)
+    lengths = rng.integers(2, 13, (4,)).astype(np.int32)
+
+    def f(q, key_cache, value_cache, table, lengths):
+        return jfa.paged_attention(q, key_cache, value_cache, table, lengths, is_causal=True)
+    return f, (q, *caches, table, lengths), (P("y"), P(), P(), P("y"), P("y"))
+
+
+def _varlen_case(rng):
+    q, k, v = (rng.standard_normal((16, 2, 8)).astype(np.float32) for _ in range(3))
+    cu_q, cu_k = np.array([0, 5, 12], np.int32), np.array([0, 7, 16], np.int32)
+
+    def f(q, k, v):
+        return jfa.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=7, max_seqlen_k=9, is_causal=True)
+    return f, (q, k, v), (P("y"),) * 3
+
+
+@pytest.mark.parametrize("case", [_decode_case, _paged_case, _varlen_case], ids=["decode", "paged", "varlen"])
+def test_explicit_mesh_axes_with_gathers_and_decode_shapes(case):
+    """Calls that gather rows (paged pages, varlen's padding) or would take the decode split, on
+    operands split over Explicit axes: they trace, and values and gradients equal one device's."""
+    mesh = cpu_mesh((2,), ("y",), jax.sharding.AxisType.Explicit)
+    seed = fresh_seed()
+    f, args, specs = case(np.random.default_rng(seed))
+    floats = [i for i, x in enumerate(args) if x.dtype == np.float32]
+
+    def loss(*args):
+        return jnp.sum(jnp.sin(f(*args)))
+
+    def value_and_grads(*args):
+        return jax.value_and_grad(loss, argnums=floats)(*args)
+
+    with jax.sharding.set_mesh(mesh):
+        sharded = jax.jit(value_and_grads)(*[put(mesh, x, spec) for x, spec in zip(args, specs)])
+    check_equal(sharded, jax.jit(value_and_grads)(*args), seed, bound=1e-5)
+
+
 FALLBACK_CASES = {  # query positions a device cannot offset: gathered, still exact
     "bottom-right-lengths-dropout": dict(is_causal=True, causal_alignment="bottom_right",
                                          key_value_seq_lengths="kv_lengths", dropout_rate=0.3,
