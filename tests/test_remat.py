@@ -108,7 +108,7 @@ def test_flax_remat_with_the_attention_policy():
                                                     attention_fn=attention_fn, rngs=rngs)
 
         def __call__(self, x):
-            return x + self.attention(x, is_causal=True)
+            return x + self.attention(x, mask=nnx.make_causal_mask(x[..., 0]))
 
     block = Block(nnx.Rngs(fresh_seed() % 2**31))
     x = _normal(np.random.default_rng(fresh_seed()), 2, 24, 32)

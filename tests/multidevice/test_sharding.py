@@ -394,9 +394,19 @@ def test_uneven_splits_are_gathered_and_exact(case, shardy):
                 k, v = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) for x in (k, v))
         return forward_and_grads(q, k, v, do, dlse, differentiable=("bias",), bias=bias, is_causal=True)
 
-    with partitioner(shardy):
-        sharded = jax.jit(f, static_argnums=6)(q, k, v, do, dlse, bias, True)
+    try:
+        with partitioner(shardy):
+            sharded = jax.jit(f, static_argnums=6)(q, k, v, do, dlse, bias, True)
+    except jax.errors.JaxRuntimeError as e:
+        # Before jax 0.10 custom_partitioning refuses uneven Shardy shardings itself: loud, not wrong.
+        if shardy and _jax_older_than(0, 10) and "not divisible by axis_size" in str(e):
+            pytest.skip("this jax's custom_partitioning refuses uneven Shardy shardings")
+        raise
     check_equal(sharded, jax.jit(f, static_argnums=6)(q, k, v, do, dlse, bias, False), seed)
+
+
+def _jax_older_than(*version):
+    return tuple(int(part) for part in jax.__version__.split(".")[:2]) < version
 
 
 def test_operands_broadcast_over_sharded_axes_sum_their_gradients():
