@@ -4,7 +4,7 @@ extra operands.
 The backward pass recomputes the softmax from the saved LSE inside the kernel (and regenerates
 the dropout mask from its seeds), so no T×S tensor exists in either direction. The saved output
 and LSE carry CHECKPOINT_NAME, so that a remat policy can keep them instead of running the
-forward kernel again in the backward (docs/training.md). The LSE output is
+forward kernel again in the backward (docs/remat-and-export.md). The LSE output is
 differentiable: its cotangent enters the backward kernel as D = rowsum(dO∘O) − dLSE. Of the extra
 operands the bias (d(bias) = dS, reduced over its broadcast axes) and the ALiBi slopes
 (d(slope) = −Σ dS·|pos_q − pos_k|, per batch element and head) are differentiable; masks,
@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import decode
 from ._compat import ad, pcast_varying, varying_axes
-from ._explicit_sharding import explicitly_sharded
+from ._explicit_sharding import explicit_spec, explicitly_sharded
 from ._options import Extras
 from .primitives import attention_bwd_p, attention_fwd_p
 
@@ -133,10 +133,10 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
 def like_sharding(gradient, primal):
     """The gradient laid out as its primal, which custom_vjp requires of its type: with Explicit
     mesh axes the kernels type d(slopes) from the query's split, which the slopes need not share."""
-    want = jax.typeof(primal).sharding
-    if getattr(want, "spec", None) is None or jax.typeof(gradient).sharding.spec == want.spec:
+    want, have = explicit_spec(primal), explicit_spec(gradient)
+    if want == have:
         return gradient
-    return jax.sharding.reshard(gradient, want.spec)
+    return jax.sharding.reshard(gradient, jax.sharding.PartitionSpec(*(want or ())))
 
 
 def vary_together(*operands):
