@@ -14,8 +14,10 @@ layout: sequence chunks r and 2n - 1 - r of 2n). Two strategies:
     later device's keys).
   * all_gather: K/V are gathered once and each query chunk is one call against all of them, told
     the global position of its first row, so causality (and a window) hide the keys it cannot
-    see and the kernels skip them; JAX's transpose of the gather reduce-scatters dK/dV. It holds
-    the whole K/V on every device, which is cheap when K/V are small (GQA).
+    see and the kernels skip them; JAX's transpose of the gather reduce-scatters dK/dV. With
+    causality alone a chunk is instead two calls on the kernels' plain path (its diagonal block,
+    causal, and the keys before it), merged through their LSEs. It holds the whole K/V on every
+    device, which is cheap when K/V are small (GQA).
 Lengths, bias and masks are cut per block: a block's lengths are the global ones clipped to its
 chunks (padding sits at the end of the global sequence, so the valid rows of any block are a
 prefix of it), and the bias/mask rows of this device are sliced to the keys of the block in hand.
@@ -463,6 +465,42 @@ def _keys_in_sequence_order(x, ring, axis):
     return load_balance(x, axis, ring.n, inverse=True)
 
 
+def _causality_only(ring, kw):
+    """Whether an all_gather call is causal with nothing else that masks or modifies a score:
+    its query chunks can then run on the kernels' plain path (_plain_causal_chunks)."""
+    return (ring.causal and not ring.positional and ring.softcap is None and
+            all(x is None for x in (kw.q_ids, kw.kv_ids, kw.bias, kw.mask, kw.q_lengths, kw.kv_lengths)))
+
+
+def _plain_causal_chunks(q, k_all, v_all, ring, rank):
+    """(out, lse) of a causal all_gather call with causality alone. A query chunk at global rows
+    [g, g + h) is a top-left causal call on its diagonal keys [g, g + h) and a full call on the
+    keys before it, merged through their LSEs: both run on the kernels' plain path, where one
+    call told its global positions would run the backward's general path at about 3/4 of its
+    speed. How many keys come before a chunk depends on the device, so each device's calls are
+    one branch of a switch on its index."""
+    T = q.shape[1]
+
+    def call(q_chunk, first, stop, causal):
+        config, extras = _options_for(ring, q_chunk.shape, stop - first, causal, _Keywords(), None)
+        return attention(q_chunk, k_all[:, first:stop], v_all[:, first:stop], ring.scale, config,
+                         extras, ring.implementation)
+
+    def calls_of(device):
+        outs, lses = [], []
+        for start, size, first in _chunks(ring, device, T):
+            q_chunk = q[:, start:start + size]
+            o, lse = call(q_chunk, first, first + size, True)
+            if first:
+                o_before, lse_before = call(q_chunk, 0, first, False)
+                o, lse = _merge(o.astype(jnp.float32), lse, o_before.astype(jnp.float32), lse_before)
+            outs.append(_vary_like(o.astype(q.dtype), q))
+            lses.append(_vary_like(lse, q))
+        return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+
+    return jax.lax.switch(rank, [partial(calls_of, device) for device in range(ring.n)])
+
+
 def _all_gather_attention(q, k, v, kw, ring):
     gather = lambda x: None if x is None else jax.lax.all_gather(x, ring.axis_name, axis=1, tiled=True)  # noqa: E731
     # In sequence order a key's index is its position (and the bias/mask columns follow the keys).
@@ -470,6 +508,8 @@ def _all_gather_attention(q, k, v, kw, ring):
                                 for x in (k, v, kw.kv_ids))
     bias, mask = (_keys_in_sequence_order(x, ring, 3) for x in (kw.bias, kw.mask))
     rank = jax.lax.axis_index(ring.axis_name)
+    if _causality_only(ring, kw):
+        return _plain_causal_chunks(q, k_all, v_all, ring, rank)
     T, S_all = q.shape[1], k_all.shape[1]
     # Each query chunk is one call placed at its global position against every key (key 0 at 0):
     # causality, windows, ALiBi and dropout then see global positions, and the kernels' key

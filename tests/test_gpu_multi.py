@@ -46,8 +46,9 @@ def test_batch_and_head_splits_run_without_collectives(gpus, split, is_causal):
     do = jax.random.normal(jax.random.key(seed + 1), q.shape, BF16)
     spec = P("d") if split == "batch" else P(None, None, "d")
     sharding = NamedSharding(Mesh(np.array(gpus), ("d",)), spec)
+    # Ordered dQ adds: unordered float32 atomics round differently from run to run (~1e-5 in bf16).
     step = jax.jit(lambda q, k, v, do: forward_and_grads(
-        lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal), do)(q, k, v))
+        lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=is_causal, deterministic=True), do)(q, k, v))
     placed = [jax.device_put(x, sharding) for x in (q, k, v, do)]
     hlo = step.lower(*placed).compile().as_text()
     assert not COLLECTIVE.findall(hlo), f"{split} split: {sorted(set(COLLECTIVE.findall(hlo)))}"
@@ -55,7 +56,7 @@ def test_batch_and_head_splits_run_without_collectives(gpus, split, is_causal):
     assert all(r.sharding.is_equivalent_to(sharding, r.ndim) for r in results)
     whole = step(*(jax.device_put(x, gpus[0]) for x in (q, k, v, do)))
     for name, got, want in zip(["out", "dq", "dk", "dv"], results, whole):
-        assert rel_err(got, want) <= 1e-6, f"seed {seed}: {name} {split} split vs one GPU"
+        assert rel_err(got, want) == 0, f"seed {seed}: {name} {split} split vs one GPU"
 
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])

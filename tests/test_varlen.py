@@ -9,7 +9,7 @@ import pytest
 import jax_flashattn as jfa
 from jax_flashattn import dropout
 from jax_flashattn.reference import attention_reference
-from util import fresh_seed, rel_err
+from util import fresh_seed, nested_eqns, rel_err
 
 
 def _packed(seed, q_lens, k_lens, N=4, K=2, H=16, extra_rows=3):
@@ -185,7 +185,7 @@ def test_packed_self_attention_has_no_padded_copy():
     def fwd_operand_shapes(cu_k):
         jaxpr = jax.make_jaxpr(lambda q, k, v: jfa.varlen_attention(
             q, k, v, cu, cu_k, max_seqlen_q=17, max_seqlen_k=17, is_causal=True))(q, k, v)
-        return [e.invars[0].aval.shape for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "jfa_attention_fwd"]
+        return [e.invars[0].aval.shape for e in nested_eqns(jaxpr.jaxpr) if e.primitive.name == "jfa_attention_fwd"]
 
     assert fwd_operand_shapes(cu) == [(1, 23, 4, 16)]
     assert fwd_operand_shapes(jnp.array(cu)) == [(3, 17, 4, 16)]  # another array: padded
@@ -199,7 +199,7 @@ def test_cross_packing_without_positions_is_unpadded():
     def fwd_operand_shapes(**kw):
         jaxpr = jax.make_jaxpr(lambda q, k, v: jfa.varlen_attention(
             q, k, v, cu_q, cu_k, max_seqlen_q=17, max_seqlen_k=30, **kw))(q, k, v)
-        return [tuple(x.aval.shape for x in e.invars[:2]) for e in _eqns(jaxpr.jaxpr)
+        return [tuple(x.aval.shape for x in e.invars[:2]) for e in nested_eqns(jaxpr.jaxpr)
                 if e.primitive.name == "jfa_attention_fwd"]
 
     assert fwd_operand_shapes() == [((1, 25, 4, 16), (1, 41, 2, 16))]
@@ -209,14 +209,3 @@ def test_cross_packing_without_positions_is_unpadded():
     assert fwd_operand_shapes(local_window_size=(3, 3)) == padded
     assert fwd_operand_shapes(alibi_slopes=jnp.ones((4,))) == padded
     assert fwd_operand_shapes(bias=jnp.zeros((1, 4, 17, 30))) == padded
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, nested ones (pjit, custom_vjp) included."""
-    for e in jaxpr.eqns:
-        yield e
-        for p in e.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    yield from _eqns(getattr(inner, "jaxpr", inner))

@@ -35,6 +35,17 @@ def rel_err(x, ref, floor=1e-30) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), floor))
 
 
+def nested_eqns(jaxpr):
+    """Every equation of a jaxpr, nested ones (pjit, custom_vjp, shard_map, switch branches) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)  # Jaxpr or ClosedJaxpr
+                if inner is not None:
+                    yield from nested_eqns(getattr(inner, "jaxpr", inner))
+
+
 def reference_with_grads(q, k, v, do, dlse, *, scale=None, is_causal=False):
     """Float32 reference (out, lse) and the gradients of <out, do> + <lse, dlse>."""
     up = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731

@@ -1,7 +1,8 @@
 """context_parallel_attention inside shard_map, with the sequence split over 2, 4 and 8 devices:
 outputs, LSE and gradients equal flash_attention on the whole sequence on one device, for the ring
 and the all-gather strategies, causal (load-balanced or not) and not, with GQA and segment ids of
-documents that span devices; and load_balance's layout."""
+documents that span devices, and with causality alone (which all_gather runs on the kernels' plain
+path); and load_balance's layout."""
 from __future__ import annotations
 
 import re
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashattn as jfa
 from conftest import COLLECTIVE, cpu_mesh
-from util import fresh_seed, random_qkv, rel_err
+from util import fresh_seed, nested_eqns, random_qkv, rel_err
 
 def problem(seed, B=2, T=64, N=4, K=2, H=16, dtype=jnp.float32):
     q, k, v = random_qkv(seed, B, T, T, N, K, H, dtype=dtype)
@@ -80,6 +81,71 @@ def test_matches_single_device(n, strategy, is_causal):
         q, k, v, ids, do, dlse)
     ref = forward_and_grads(lambda q, k, v, ids: single_device(q, k, v, ids, **kw), q, k, v, ids, do, dlse)
     assert_matches(seed, got, ref, 2e-6)
+
+
+def causal_only(mesh, n, layout, strategy, **kw):
+    """context_parallel_attention's (out, lse) with causality and nothing else, on global arrays."""
+    order = (lambda x: jfa.load_balance(x, 1, n)) if layout == "balanced" else (lambda x: x)
+    undo = (lambda x: jfa.load_balance(x, 1, n, inverse=True)) if layout == "balanced" else (lambda x: x)
+    body = jax.shard_map(
+        lambda q, k, v: jfa.context_parallel_attention(
+            q, k, v, axis_name="cp", strategy=strategy, is_causal=True,
+            load_balanced=layout == "balanced", return_lse=True, **kw),
+        mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=(P(None, "cp"),) * 2)
+
+    def f(q, k, v, ids):
+        out, lse = body(order(q), order(k), order(v))
+        return undo(out), undo(lse)
+    return f
+
+
+CAUSAL_ONLY = [(n, strategy, layout) for n in (2, 4, 8) for strategy in ("ring", "all_gather")
+               for layout in ("balanced", "sequence")]
+
+
+@pytest.mark.parametrize("n,strategy,layout", CAUSAL_ONLY,
+                         ids=[f"{n}dev-{s}-{layout}" for n, s, layout in CAUSAL_ONLY])
+def test_causality_alone_matches_single_device(n, strategy, layout):
+    mesh = cpu_mesh((n,), ("cp",))
+    seed = fresh_seed()
+    q, k, v, ids, do, dlse = problem(seed, T=48)
+    f = causal_only(mesh, n, layout, strategy)
+    got = jax.jit(lambda *a: forward_and_grads(f, *a))(q, k, v, ids, do, dlse)
+    ref = forward_and_grads(lambda q, k, v, ids: jfa.flash_attention(q, k, v, is_causal=True, return_lse=True),
+                            q, k, v, ids, do, dlse)
+    assert_matches(seed, got, ref, 2e-6)
+
+
+def kernel_calls(f, *args):
+    """(primitive name, config, operand shapes) of every attention kernel call f traces, the
+    backward's included, in every branch of every switch."""
+    jaxpr = jax.make_jaxpr(f)(*args)
+    return [(e.primitive.name, e.params["config"], [x.aval.shape for x in e.invars])
+            for e in nested_eqns(jaxpr.jaxpr) if e.primitive.name in ("jfa_attention_fwd", "jfa_attention_bwd")]
+
+
+@pytest.mark.parametrize("layout", ["balanced", "sequence"])
+def test_causal_all_gather_calls_are_plain(layout):
+    """With causality alone, all_gather's kernel calls carry no positions (nor any other operand
+    besides the tensors) and are top-left causal on a square diagonal block or full: the kernels'
+    plain path, whose backward is faster than the general path's. A window needs positions."""
+    mesh, n = cpu_mesh((4,), ("cp",)), 4
+    q, k, v, ids, do, dlse = problem(0, T=32)
+    tensors = {"jfa_attention_fwd": 3, "jfa_attention_bwd": 7}
+
+    def calls(**kw):
+        f = causal_only(mesh, n, layout, "all_gather", **kw)
+        return kernel_calls(lambda *a: forward_and_grads(f, *a), q, k, v, ids, do, dlse)
+
+    plain = calls()
+    assert {name for name, _, _ in plain} == set(tensors)
+    for name, config, shapes in plain:
+        assert all(shape == () for shape in shapes[tensors[name]:]), (name, shapes)
+        assert not config.bottom_right and config.window_left < 0
+        # Causal calls are the diagonal blocks: as many keys as queries.
+        assert not config.is_causal or shapes[0][1] == shapes[1][1], (name, config, shapes)
+    windowed = calls(local_window_size=(5, 0))
+    assert windowed and all(shapes[-1] != () for _, _, shapes in windowed)  # the positions operand
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
