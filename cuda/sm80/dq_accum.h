@@ -65,22 +65,12 @@ __forceinline__ __device__ void dq_accum_add(float* tile, Acc const& acc, int ti
 // indices are lower too (bwd_kernel.h's grid order), so the wait cannot deadlock, whatever else
 // runs on the GPU, and the order depends on the problem alone (not on the GPU's size).
 // All CTAs walk the query tiles in the same order, so a CTA follows the next-lower key block's
-// CTA of its lane a step behind; with the key-tile-major grid only a few key blocks of one head
-// run at a time, so the chain is short. What made this order slow before (H200, 16k: 65-82 % of
-// the default) was each step waiting out the round trips of the semaphore read and of the fence
-// after the adds; the ordered kernels take both off the critical path (split protocol below).
-// Orders that follow the arrival of the CTAs at a tile (rotated walks, higher key blocks first
-// for causal) measured no faster, and they make a CTA wait for CTAs issued after it: they
-// deadlock unless the whole group is resident, which another kernel on the GPU can prevent.
-// Lanes, for the causal kernel only (H200, bf16, H 128, 16k; benchmarks/ab_sm80.sh, benchmarks/
-// results/2026-11-23-nvidia-h200-deterministic-ab.csv). With one lane the waiting itself cost
-// causal most of the order's price: a variant that skipped the wait ran 9.89 ms against 10.95
-// (9.10 unordered), and ncu counted a third of the steps re-reading the semaphore, their CTAs
-// held at the barrier after it. A causal key tile's CTA is short when the CTAs before it are
-// long, so the chains of one head finish about a step apart and their successors start as
-// close behind (our reading; the no-wait variant is what was measured). Two lanes: causal
-// 10.81 -> 10.20 ms (re-reads 88k -> 37k), four 10.51; non-causal, whose CTAs all run the same
-// number of steps, lost with them (20.75 -> 22.77 ms with two), so it keeps one.
+// CTA of its lane a step behind; the ordered kernels take the semaphore read's and the fence's
+// round trips off that critical path (split protocol below). Orders that follow the CTAs' arrival
+// (rotated walks, higher key blocks first) were no faster and could deadlock unless the whole
+// group is resident. Two lanes for the causal kernel only: its chains of one head end about a
+// step apart, so a second lane halves the waiting; non-causal CTAs all run the same number of
+// steps and lost with lanes (figures: docs/performance.md, "Backward: design measurements").
 template <bool kCausal, bool kOrdered>
 inline constexpr int kDqLanesOf = kCausal && kOrdered ? int(kDqLanes) : 1;
 __forceinline__ __device__ int32_t* dq_semaphore(const AttentionParams& p, int lane, int64_t batch, int64_t head,

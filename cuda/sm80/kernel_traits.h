@@ -161,11 +161,9 @@ template <typename E> struct BwdConfig<E, 192> { using Traits = BwdTraits<E, 192
 template <typename E> struct BwdConfig<E, 256> { using Traits = BwdTraits<E, 256, 64, 64, 8, 4, 2, 2, false>; };
 
 // The general backward (masks, score modifiers, dropout: launch.h) where its per-element policy
-// code wants a smaller tile than the plain one. H 64: 64 x 128 instead of 128 x 128 spills 24 / 112
-// bytes per thread instead of 392 / 1020 (ptxas, sm_80, masked / dropout variants) and ran the
-// general backward 6-20 % faster, with dropout 45-63 % (H200, bf16, 4k and 16k, causal and not;
-// benchmarks/results/2026-11-23-nvidia-h200-general-bwd-tiles.csv). H 128 keeps 64 x 128: 64 x 64
-// spilled nothing but ran 14-19 % slower (7-13 % with dropout), its dQ adds doubled.
+// code wants a smaller tile than the plain one: at H 64, 64 x 128 spills a small fraction of what
+// 128 x 128 does and runs faster; H 128 keeps 64 x 128, as 64 x 64 doubles the dQ adds (figures:
+// docs/performance.md, "Backward: design measurements").
 template <typename Element, int kHeadDim> struct GeneralBwdConfig : BwdConfig<Element, kHeadDim> {};
 template <typename E> struct GeneralBwdConfig<E, 64> { using Traits = BwdTraits<E, 64, 64, 128, 8, 2, 4, 4, true>; };
 
