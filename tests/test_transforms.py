@@ -42,6 +42,47 @@ def test_vmap_any_in_axes(in_axes):
     assert rel_err(out, ref_out) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5, f"seed {seed}"
 
 
+@pytest.mark.parametrize("bias_mapped", [False, True], ids=["shared-bias", "mapped-bias"])
+def test_vmap_behind_the_batch_axis_with_every_operand(bias_mapped):
+    """vmap over an axis behind the batch axis ([B, V, T, N, H], in_axes=1: folded batch-major)
+    equals a loop over the instances, forward and the gradients of q, k, v, the bias and the
+    slopes, with segment ids mapped, lengths, slopes and the dropout key shared."""
+    seed = fresh_seed()
+    B, V, T, S, N, K, H = 2, 3, 13, 17, 4, 2, 16
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.moveaxis(x.reshape((V, B) + x.shape[1:]), 0, 1)
+               for x in random_qkv(seed, V * B, T, S, N, K, H))
+    bias = jnp.asarray(rng.normal(size=(B, V, 1, T, S) if bias_mapped else (1, N, T, S)), jnp.float32)
+    q_ids = jnp.asarray(np.sort(rng.integers(0, 2, (B, V, T)), axis=-1), jnp.int32)
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 2, (B, V, S)), axis=-1), jnp.int32)
+    slopes = jnp.asarray(rng.uniform(0.05, 0.5, (N,)), jnp.float32)
+    lengths = jnp.asarray([S, S - 5], jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(B, V, T, N, H)), jnp.float32)
+
+    def attend(q, k, v, bias, q_ids, kv_ids, slopes):
+        return jfa.flash_attention(q, k, v, bias=bias, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                   alibi_slopes=slopes, key_value_seq_lengths=lengths, is_causal=True,
+                                   dropout_rate=0.25, dropout_rng=jax.random.key(seed % 1000))
+
+    bias_axis = 1 if bias_mapped else None
+
+    def vmapped(q, k, v, bias, slopes):
+        out = jax.vmap(attend, in_axes=(1, 1, 1, bias_axis, 1, 1, None), out_axes=1)(
+            q, k, v, bias, q_ids, kv_ids, slopes)
+        return jnp.sum(out * weights), out
+
+    def looped(q, k, v, bias, slopes):
+        out = jnp.stack([attend(q[:, i], k[:, i], v[:, i], bias[:, i] if bias_mapped else bias,
+                                q_ids[:, i], kv_ids[:, i], slopes) for i in range(V)], axis=1)
+        return jnp.sum(out * weights), out
+
+    grads, out = jax.grad(vmapped, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, bias, slopes)
+    ref_grads, ref_out = jax.grad(looped, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, bias, slopes)
+    assert rel_err(out, ref_out) <= 1e-6, f"seed {seed}: out"
+    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dslopes"), grads, ref_grads):
+        assert g.shape == r.shape and rel_err(g, r) <= 1e-5, f"seed {seed}: {name} {rel_err(g, r)}"
+
+
 def test_nested_vmap():
     seed = fresh_seed()
     q, k, v = random_qkv(seed, 6, 17, 23, 2, 1, 32)
