@@ -76,6 +76,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         raise ValueError(f"query shape/dtype should be ({B}, T, N, {H})/{k.dtype} to match key "
                          f"{k.shape}: but got {q.shape}/{q.dtype}")
     _validate.check_qkv(q, k, v)
+    # jax.nn's dtype rules, with its ValueError (flash_attention's own checks raise TypeError).
+    if mask is not None and not isinstance(mask, PackedMask) and jnp.result_type(mask) != jnp.bool_:
+        raise ValueError(f"mask dtype should be bool, but got {jnp.result_type(mask)} (mask shape "
+                         f"{jnp.shape(mask)}; a PackedMask is also accepted)")
+    for name, lengths in (("query_seq_lengths", query_seq_lengths),
+                          ("key_value_seq_lengths", key_value_seq_lengths)):
+        if lengths is not None and jnp.result_type(lengths) != jnp.int32:
+            raise ValueError(f"{name} dtype should be int32, but got {jnp.result_type(lengths)} "
+                             f"(shape {jnp.shape(lengths)})")
     scale = _validate.check_scale(scale, H)
     # jax.nn's rank-4 requirement for bias and mask (after its own expansion of lower ranks).
     bias = None if bias is None else _ensure_4d(bias)

@@ -190,6 +190,20 @@ def test_jax_nn_shape_rules():
         jfa.dot_product_attention(q.astype(jnp.bfloat16), k, k)
 
 
+@pytest.mark.parametrize("keyword", ["mask", "query_seq_lengths", "key_value_seq_lengths"])
+def test_jax_nn_dtype_rules_raise_its_value_error(keyword):
+    """Where jax.nn raises ValueError for a dtype, so does the drop-in (code catching it keeps
+    working); flash_attention itself raises TypeError."""
+    q, k, v = random_qkv(fresh_seed(), 2, 8, 8, 2, 2, 16)
+    bad = {"mask": jnp.ones((2, 1, 8, 8), jnp.float32), "query_seq_lengths": jnp.array([8, 5], jnp.int16),
+           "key_value_seq_lengths": np.array([8, 5], np.uint32)}[keyword]
+    for implementation in (None, "xla"):
+        with pytest.raises(ValueError, match=f"{keyword} dtype should be"):
+            jfa.dot_product_attention(q, k, v, implementation=implementation, **{keyword: bad})
+    with pytest.raises(TypeError, match=keyword):
+        jfa.flash_attention(q, k, v, **{keyword: bad})
+
+
 def test_swapping_into_jax_nn_keeps_results(monkeypatch):
     """A program written against jax.nn gives the same results with ours swapped in."""
     seed = fresh_seed()

@@ -240,7 +240,7 @@ def test_repeated_calls_are_deterministic_in_forward():
                                   np.asarray(f(q, k, v).astype(jnp.float32)))
 
 
-# ---- Masks, bias, soft-capping, ALiBi, dropout (issue 5) ----------------------------------------
+# ---- Masks, bias, soft-capping, ALiBi, dropout ---------------------------------------------------
 # The CPU feature tests again, in bfloat16 on the GPU, against the same float32 reference (the
 # bounds of util.BOUNDS). On sm90 they take the Hopper kernels' general paths, forward (with dropout
 # its dropout kernel) and backward (cuda/sm90/bwd_general.h). The `portable ... forced` tests cover
