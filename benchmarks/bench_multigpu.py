@@ -23,7 +23,8 @@ Columns: `tflops` is per GPU (the whole problem's FLOPs, FlashAttention's count:
 `efficiency` = single-GPU time / (GPUs x time) at the same total problem (cp), or single-GPU time /
 time at the same per-GPU problem (parallel); `collectives` lists the kinds in the compiled program;
 `rel_err` the worst relative L2 error against the single-device result.
-Writes benchmarks/results/<date>-<device>-x<n>-multigpu.csv.
+Writes benchmarks/results/<date>-<device>-x<n>-multigpu.csv; benchmarks/plot_multigpu.py draws the
+cp section's efficiencies from one or more such files.
 """
 from __future__ import annotations
 
