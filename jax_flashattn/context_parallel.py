@@ -476,9 +476,9 @@ def _plain_causal_chunks(q, k_all, v_all, ring, rank):
     """(out, lse) of a causal all_gather call with causality alone. A query chunk at global rows
     [g, g + h) is a top-left causal call on its diagonal keys [g, g + h) and a full call on the
     keys before it, merged through their LSEs: both run on the kernels' plain path, where one
-    call told its global positions would run the backward's general path at about 3/4 of its
-    speed. How many keys come before a chunk depends on the device, so each device's calls are
-    one branch of a switch on its index."""
+    call told its global positions would run the slower general path of the backward
+    (docs/performance.md, "Several GPUs"). How many keys come before a chunk depends on the
+    device, so each device's calls are one branch of a switch on its index."""
     T = q.shape[1]
 
     def call(q_chunk, first, stop, causal):
