@@ -27,18 +27,20 @@ def problem(seed, B=2, T=64, N=4, K=2, H=16, dtype=jnp.float32):
     return q, k, v, ids, do, dlse
 
 
-def context_parallel(mesh, n, *, layout, check_vma=True, **kw):
+def context_parallel(mesh, n, *, layout, check_vma=True, segment_ids=True, **kw):
     """flash_attention's (out, lse) of global arrays, computed by context_parallel_attention with
-    the sequence split over mesh axis 'cp' (reordered into and out of `layout`)."""
+    the sequence split over mesh axis 'cp' (reordered into and out of `layout`); the segment ids
+    passed are used unless segment_ids=False."""
     order = (lambda x: jfa.load_balance(x, 1, n)) if layout == "balanced" else (lambda x: x)
     undo = (lambda x: jfa.load_balance(x, 1, n, inverse=True)) if layout == "balanced" else (lambda x: x)
     seq = P(None, "cp")
+    ids_kw = (lambda ids: dict(q_segment_ids=ids, kv_segment_ids=ids)) if segment_ids else (lambda ids: {})
 
     def f(q, k, v, ids):
         body = jax.shard_map(
             lambda q, k, v, ids: jfa.context_parallel_attention(
                 q, k, v, axis_name="cp", load_balanced=layout == "balanced", return_lse=True,
-                q_segment_ids=ids, kv_segment_ids=ids, **kw),
+                **ids_kw(ids), **kw),
             mesh=mesh, in_specs=(seq,) * 4, out_specs=(seq, seq), check_vma=check_vma)
         out, lse = body(order(q), order(k), order(v), order(ids))
         return undo(out), undo(lse)
@@ -85,18 +87,8 @@ def test_matches_single_device(n, strategy, is_causal):
 
 def causal_only(mesh, n, layout, strategy, **kw):
     """context_parallel_attention's (out, lse) with causality and nothing else, on global arrays."""
-    order = (lambda x: jfa.load_balance(x, 1, n)) if layout == "balanced" else (lambda x: x)
-    undo = (lambda x: jfa.load_balance(x, 1, n, inverse=True)) if layout == "balanced" else (lambda x: x)
-    body = jax.shard_map(
-        lambda q, k, v: jfa.context_parallel_attention(
-            q, k, v, axis_name="cp", strategy=strategy, is_causal=True,
-            load_balanced=layout == "balanced", return_lse=True, **kw),
-        mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=(P(None, "cp"),) * 2)
-
-    def f(q, k, v, ids):
-        out, lse = body(order(q), order(k), order(v))
-        return undo(out), undo(lse)
-    return f
+    return context_parallel(mesh, n, layout=layout, segment_ids=False, strategy=strategy,
+                            is_causal=True, **kw)
 
 
 CAUSAL_ONLY = [(n, strategy, layout) for n in (2, 4, 8) for strategy in ("ring", "all_gather")
