@@ -176,9 +176,15 @@ def _dq_lanes(config):
 
 
 def _dq_accum_rows(T):
-    # Query rows of the dQ accumulator, padded as jfa::AttentionParams::dq_accum_rows() expects.
-    align = 128  # jfa::kDqAccumRowAlign (cuda/include/jfa/params.h)
-    return -(-T // align) * align
+    # Query rows of the dQ accumulator, padded as jfa::AttentionParams::dq_accum_rows() expects:
+    # to whole blocks of 128 rows (kDqAccumRowAlign) and of 80 (kDqAccumTallBlock, params.h).
+    return max(-(-T // align) * align for align in (128, 80))
+
+
+def _dkv_accum_rows(S):
+    # Key rows of the dK/dV workspace: whole 128-key blocks (kDqAccumRowAlign, dkv_accum_rows(),
+    # params.h).
+    return -(-S // 128) * 128
 
 
 def _pad_last(x, size):
@@ -242,7 +248,7 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     # which runs a group's query heads in CTAs of their own there (a rank-0 placeholder otherwise).
     K, S = k.shape[2], k.shape[1]
     gqa = N > K and config.is_causal and not config.deterministic
-    shapes.append(jax.ShapeDtypeStruct((2, B, K, _dq_accum_rows(S), cols) if gqa else (), jnp.float32))
+    shapes.append(jax.ShapeDtypeStruct((2, B, K, _dkv_accum_rows(S), cols) if gqa else (), jnp.float32))
     dq, dk, dv, dbias, dslopes, _, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
         *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, T, k.shape[1]),
         *_segment_operands(extras), **_mask_ffi_attrs(scale, config),

@@ -27,9 +27,17 @@ def _cpp_constant(name, header="params.h"):
 
 
 def test_dq_workspace_shapes_follow_params_h():
-    align = _cpp_constant("kDqAccumRowAlign")
+    align, tall = _cpp_constant("kDqAccumRowAlign"), _cpp_constant("kDqAccumTallBlock")
+    assert tall < align
     assert primitives._dq_accum_rows(1) == align
     assert primitives._dq_accum_rows(align + 1) == 2 * align
+    # Whole tall blocks where they reach past the aligned rows: ceil(T / tall) · tall > T rounded up.
+    for T in range(1, 2000):
+        rows = primitives._dq_accum_rows(T)
+        assert rows % 16 == 0 and rows >= -(-T // align) * align and rows >= -(-T // tall) * tall, T
+    T = next(T for T in range(1, 2000) if -(-T // tall) * tall > -(-T // align) * align)
+    assert primitives._dq_accum_rows(T) == -(-T // tall) * tall
+    assert primitives._dkv_accum_rows(1) == align and primitives._dkv_accum_rows(align + 1) == 2 * align
     rows = _cpp_constant("kDqSemaphoreRows")
     assert primitives._dq_semaphores(rows) == 1
     assert primitives._dq_semaphores(rows + 1) == 2

@@ -17,13 +17,14 @@
 
 namespace jfa::sm90 {
 
-// The semaphore of query block m_block (kBlockM rows, a multiple of kDqSemaphoreRows) of (batch,
-// head): the first of its rows' (lane 0 of the portable kernels' layout, params.h).
+// The semaphore of query block m_block (kBlockM rows) of (batch, head): for a multiple of
+// kDqSemaphoreRows the first of its rows' (lane 0 of the portable kernels' layout, params.h); for
+// taller blocks (80 rows) the m_block-th, of which (batch, head) has at least as many.
 template <int kBlockM>
 __forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, int batch, int head, int m_block) {
-  static_assert(kBlockM % kDqSemaphoreRows == 0);
-  return p.dq_semaphore + (int64_t(batch) * p.N + head) * p.dq_semaphores_per_head() +
-         int64_t(m_block) * (kBlockM / kDqSemaphoreRows);
+  static_assert(kBlockM % kDqSemaphoreRows == 0 || kBlockM > kDqSemaphoreRows);
+  constexpr int kPerBlock = kBlockM % kDqSemaphoreRows == 0 ? int(kBlockM / kDqSemaphoreRows) : 1;
+  return p.dq_semaphore + (int64_t(batch) * p.N + head) * p.dq_semaphores_per_head() + int64_t(m_block) * kPerBlock;
 }
 
 // How many key blocks below n_block add into query block m_block: all of them on the plain path

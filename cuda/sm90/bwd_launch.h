@@ -89,7 +89,7 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = typename BwdConfig<Element, kHeadDim>::Traits;
+  using Config = BwdConfig<Element, kHeadDim>;
   if (p.mask.active() || p.mask.has_dropout()) {
     const int set = bwd_policy_set(p.mask);
     switch (set) {
@@ -102,7 +102,8 @@ cudaError_t run_bwd(const AttentionParams& p, cudaStream_t stream) {
       default: return run_bwd_policies<Element, kHeadDim, kPolicyAll | kPolicyDropout>(p, stream);
     }
   }
-  return p.is_causal ? detail::launch_bwd<Traits, true, 0>(p, stream) : detail::launch_bwd<Traits, false, 0>(p, stream);
+  return p.is_causal ? detail::launch_bwd<typename Config::Traits, true, 0>(p, stream)
+                     : detail::launch_bwd<typename Config::PlainTraits, false, 0>(p, stream);
 }
 
 }  // namespace jfa::sm90

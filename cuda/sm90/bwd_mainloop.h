@@ -50,7 +50,7 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
                                              AccKV& tdKrdK, AccKV& tdVrdV) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   const int tid = threadIdx.x - 128;
   const int w = mma_warp_group(), wg_tid = tid % 128;
 
@@ -76,8 +76,16 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N = H, K = queries, stage)
   Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K = keys, stage)
-  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);     // (MMA, N = H, K = keys)
+  // dQ = dS·K: dS (queries, keys, stage) the A operand, Kᵀ (H, keys) the B; for dQᵀ = Kᵀ·dSᵀ the other
+  // way round.
+  Tensor tdQrdS = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
+    else return thr_dq.partition_fragment_A(sdS);
+  }();
+  Tensor tdQrK = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
+    else return thr_dq.partition_fragment_B(sKt);
+  }();
 
   auto copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
   auto thr_copy_ds = copy_ds.get_thread_slice(tid);
@@ -118,8 +126,11 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     bar_sync(kBwdBarDsReady, Traits::kNumMmaThreads);
     if ((kPolicies & kPolicyAlibi) != 0 && p.attn.mask.dslopes != nullptr)  // each warpgroup's keys are one slot
       bwd_add_slope_dot<4>(p.attn, ss.slope_sums[k & 1], tid, walk.batch, st.head, block.key0 + w * 64);
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);  // dV has finished
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::AccShapedQ{});
+    if constexpr (Traits::kDqTransposed)
+      gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrK, tdQrdS(_, _, _, stage), tdQrdQ);  // dV has finished
+    else
+      gemm</*zero_init=*/true, /*wait=*/1>(mma_dq, tdQrdS(_, _, _, stage), tdQrK, tdQrdQ);
     pipeline_do.consumer_release(read);
     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(tdPrdP.layout()));
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished

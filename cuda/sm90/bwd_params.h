@@ -124,18 +124,22 @@ __forceinline__ __device__ bool bwd_step_empty(const BwdParams<Traits>& p, const
 template <typename Traits, int kPolicies>
 __forceinline__ __device__ int bwd_next_step(const BwdParams<Traits>& p, const BwdWalk& walk, int s) {
   ++s;
-  if (!bwd_skips_empty_steps<Traits, kPolicies>(p) || s >= walk.num_steps ||
-      !bwd_step_empty(p, walk, walk.step(s, p.heads)))
+  if constexpr ((kPolicies & kPolicyBoolMask) == 0) {
     return s;
-  const int lane = int(threadIdx.x % 32);
+  } else {
+    if (!bwd_skips_empty_steps<Traits, kPolicies>(p) || s >= walk.num_steps ||
+        !bwd_step_empty(p, walk, walk.step(s, p.heads)))
+      return s;
+    const int lane = int(threadIdx.x % 32);
 #pragma unroll 1
-  for (++s; s < walk.num_steps; s += 32) {
-    const int mine = s + lane;
-    const unsigned seen =
-        __ballot_sync(0xffffffffu, mine < walk.num_steps && !bwd_step_empty(p, walk, walk.step(mine, p.heads)));
-    if (seen != 0) return s + __ffs(seen) - 1;
+    for (++s; s < walk.num_steps; s += 32) {
+      const int mine = s + lane;
+      const unsigned seen =
+          __ballot_sync(0xffffffffu, mine < walk.num_steps && !bwd_step_empty(p, walk, walk.step(mine, p.heads)));
+      if (seen != 0) return s + __ffs(seen) - 1;
+    }
+    return walk.num_steps;
   }
-  return walk.num_steps;
 }
 
 // The CTA's walk; the general path (kPolicies != 0) takes its query blocks from the call's masks

@@ -1,8 +1,10 @@
 // The Hopper backward's last kernel: dQ = scale · (the float32 accumulator), to the input dtype.
 // One CTA per (query block, query head, batch), one thread per MMA thread of the main kernel: each
 // reads back the values that thread staged (bwd_traits.h, kDqSliceFloats' order) and finds their
-// (row, column) through the same dQ tiled MMA.
+// (row, column) through the same dQ tiled MMA (or its transpose, AccShapedQ).
 #pragma once
+
+#include <cstdint>
 
 #include <cute/tensor.hpp>
 
@@ -24,33 +26,50 @@ __forceinline__ __device__ int3 block_head_batch(int num_blocks, int64_t heads) 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumMmaThreads;
+  // The block's dQ in smem, so that the stores are whole 16-byte runs of a row whichever way the
+  // accumulator holds it; rows padded by 16 bytes, which keeps the column-wise writes of the
+  // transposed layout off each other's banks.
+  constexpr int kPitch = kHeadDim + 8;
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int3 cta = block_head_batch(int((p.T + kBlockM - 1) / kBlockM), p.N);
   const int m_block = cta.x, head = cta.y, batch = cta.z;
   const int tid = threadIdx.x, w = tid / 128, wg_tid = tid % 128;
 
   typename Traits::TiledMmadQ mma_dq;
-  Tensor coord = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor coord = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(typename Traits::AccShapedQ{}));
   constexpr int n = decltype(size(coord))::value;
   const float4* slice = reinterpret_cast<const float4*>(
       p.dq_accum + bwd_row_offset<Traits>(p, batch, head, m_block) * kHeadDim + w * Traits::kDqSliceFloats);
-  float v[n];
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g) {
     const float4 x = slice[g * 128 + wg_tid];
-    v[4 * g] = x.x; v[4 * g + 1] = x.y; v[4 * g + 2] = x.z; v[4 * g + 3] = x.w;
+    const float v[4] = {x.x, x.y, x.z, x.w};
+    CUTE_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const int a = get<0>(coord(4 * g + j)), b = get<1>(coord(4 * g + j));
+      const int row = Traits::kDqTransposed ? b : a, col = Traits::kDqTransposed ? a : b;
+      tile[row * kPitch + col] = Element(v[j] * p.scale);
+    }
   }
+  __syncthreads();
   Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_strides.batch + head * p.dq_strides.head;
   const int m0 = m_block * kBlockM;
-  // Accumulator values (i, i + 1), i even, are columns (c, c + 1) of one row.
-  CUTE_UNROLL
-  for (int i = 0; i < n; i += 2) {
-    const int row = m0 + get<0>(coord(i)), col = get<1>(coord(i));
-    if (row < p.T && col < p.H) {  // columns past H: a wider kernel's zero padding (api.h)
-      cutlass::Array<Element, 2> pair;
-      pair[0] = Element(v[i] * p.scale);
-      pair[1] = Element(v[i + 1] * p.scale);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + int64_t(row) * p.dq_strides.row + col) = pair;
+  const int rows = min(kBlockM, int(p.T) - m0);
+  // Columns past H are a wider kernel's zero padding (api.h); H is a multiple of 8.
+  constexpr int kRunElems = 16 / int(sizeof(Element));
+  const int runs_per_row = int(p.H) / kRunElems;
+  const bool aligned = reinterpret_cast<uintptr_t>(dq) % 16 == 0 && p.dq_strides.row % kRunElems == 0;
+  if (aligned) {
+    for (int i = tid; i < rows * runs_per_row; i += kThreads) {
+      const int row = i / runs_per_row, col = (i - row * runs_per_row) * kRunElems;
+      *reinterpret_cast<uint4*>(dq + int64_t(m0 + row) * p.dq_strides.row + col) =
+          *reinterpret_cast<const uint4*>(&tile[row * kPitch + col]);
+    }
+  } else {
+    for (int i = tid; i < rows * int(p.H); i += kThreads) {
+      const int row = i / int(p.H), col = i - row * int(p.H);
+      dq[int64_t(m0 + row) * p.dq_strides.row + col] = tile[row * kPitch + col];
     }
   }
 }

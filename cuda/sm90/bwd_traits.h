@@ -9,6 +9,7 @@
 //   dV += Pᵀ·dO  (M = keys, N = H, K = queries)   RS   Pᵀ is the Sᵀ accumulator, converted
 //   dK += dSᵀ·Q  (M = keys, N = H, K = queries)   RS   the same for dSᵀ
 //   dQ  = dS·K   (M = queries, N = H, K = keys)   SS   dS from smem (it needs both warpgroups' keys)
+//   or dQᵀ = Kᵀ·dSᵀ (M = H, N = queries, K = keys) where kBlockM is not a multiple of wgmma's 64 rows
 // A warpgroup's Sᵀ accumulator has the register layout wgmma wants for an A operand of 64 keys,
 // so P and dS never go through smem for dV and dK; only dS is stored, for dQ. dQ is a partial
 // sum over key blocks: each warpgroup stages its share in smem as float32 and a dQ writer warp of
@@ -21,10 +22,16 @@
 //          dS 2 x 32, dQ 32 KB = 194 KB. The query block is as tall as registers allow: a step's
 //          fixed costs (barriers, waits, stats) spread over more keys·queries.
 //   H 128:  64 x 128  dK+dV 128, Sᵀ+dPᵀ 64, dQ 32; smem Q, dO 2 x 2 x 16, K, V 2 x 32, dS 2 x 16,
-//          dQ 32 KB = 193 KB.
+//          dQ 32 KB = 193 KB. Causal, and every kernel of the general path: the diagonal blocks
+//          of 64 rows mask less, and masks' tile summaries cover 64 rows.
+//          80 x 128 without causality or masks: dK+dV 128, Sᵀ+dPᵀ 80, dQᵀ 40; smem Q, dO
+//          2 x 2 x 20, K, V 2 x 32, dS 2 x 20, dQ 40 KB = 226 KB. A quarter more queries per step
+//          for the same fixed costs; dQ is computed transposed (80 rows are no wgmma M).
 // Q, dO and dS have two stages, so the next step's loads land and a warpgroup may write the next
 // dS while the other still reads the last one in its dQ GEMM.
 #pragma once
+
+#include <type_traits>
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
@@ -48,7 +55,7 @@ struct BwdTraitsBase {
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = 2;
   static constexpr int kNumMmaWarpGroups = 2;
-  static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockM <= 128);
+  static_assert(kBlockM % 16 == 0 && kHeadDim % 64 == 0 && kBlockM <= 128);
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + the producer warpgroup
   static constexpr int kLoadRegs = 24;
@@ -74,6 +81,9 @@ struct BwdTraitsBase {
   // (bwd_postprocess.h reads it back).
   static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kNumMmaWarpGroups;
   static constexpr int kDqSliceBytes = kDqSliceFloats * 4;
+  // The dQ accumulator: (queries, H), or (H, queries) where dQᵀ is computed (BwdTraits).
+  static constexpr bool kDqTransposed = false;
+  using AccShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
@@ -96,8 +106,13 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   using AccShapeKV = Shape<Int<kBlockN>, Int<kHeadDim>>;  // the dK and dV accumulators: (keys, H)
   static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
 
-  // dQ = dS·K splits its queries over the warpgroups where there are 128 of them, else its head dim.
-  static constexpr int kDqWarpGroupsM = kBlockM / 64;
+  // dQ = dS·K splits its queries over the warpgroups where there are 128 of them, else its head
+  // dim. A query block that is not a multiple of 64 rows computes dQᵀ = Kᵀ·dSᵀ instead, each
+  // warpgroup 64 of the head dims (its M), as FlashAttention-3 does for its 80-row blocks.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  static_assert(!kDqTransposed || kHeadDim == 64 * kNumMmaWarpGroups);
+  using AccShapedQ = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  static constexpr int kDqWarpGroupsM = kDqTransposed ? 1 : kBlockM / 64;
   static constexpr int kDqWarpGroupsN = kNumMmaWarpGroups / kDqWarpGroupsM;
 
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -107,11 +122,16 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
-  using TiledMmadQ = decltype(make_tiled_mma(
+  using TiledMmadQRows = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum,
-                           Shape<Int<kBlockM>, Int<kHeadDim / kDqWarpGroupsN>, Int<kBlockN>>, GMMA::Major::K,
+                           Shape<Int<kDqTransposed ? 64 : kBlockM>, Int<kHeadDim / kDqWarpGroupsN>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWarpGroupsM>, Int<kDqWarpGroupsN>, _1>>{}));
+  using TiledMmadQColumns = decltype(make_tiled_mma(  // dQᵀ: A = Kᵀ (H, keys), B = dS (queries, keys)
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::K>(),
+      Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  using TiledMmadQ = std::conditional_t<kDqTransposed, TiledMmadQColumns, TiledMmadQRows>;
 
   // dS as the dQ GEMM's A operand: (queries, keys), keys contiguous; viewed as (keys, queries) for
   // the Sᵀ accumulator's threads, which store dSᵀ transposed (stmatrix .trans), 8 values each.
@@ -166,14 +186,24 @@ struct BwdTraitsSplitHead : BwdTraitsBase<Element_, kHeadDim_, 64, 64> {
   using SmemCopyAtomdKV = Copy_Atom<SM90_U16x8_STSM_T, Element>;
 };
 
+// Traits: causal calls and the general path; PlainTraits: calls without causality or masks.
 template <typename Element, int kHeadDim>
 struct BwdConfig;
 template <typename Element>
-struct BwdConfig<Element, 64> { using Traits = BwdTraits<Element, 64, 128>; };
+struct BwdConfig<Element, 64> {
+  using Traits = BwdTraits<Element, 64, 128>;
+  using PlainTraits = Traits;
+};
 template <typename Element>
-struct BwdConfig<Element, 128> { using Traits = BwdTraits<Element, 128, 64>; };
+struct BwdConfig<Element, 128> {
+  using Traits = BwdTraits<Element, 128, 64>;
+  using PlainTraits = BwdTraits<Element, 128, 80>;
+};
 template <typename Element>
-struct BwdConfig<Element, 256> { using Traits = BwdTraitsSplitHead<Element, 256>; };
+struct BwdConfig<Element, 256> {
+  using Traits = BwdTraitsSplitHead<Element, 256>;
+  using PlainTraits = Traits;
+};
 
 // The smem each layout needs beyond Q, dO, K, V and the row statistics: dS and the staged dQ
 // shares (BwdTraits); P and dS (BwdTraitsSplitHead).

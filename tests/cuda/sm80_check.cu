@@ -805,7 +805,7 @@ int main(int argc, char** argv) {
             const bool big = ts[0] >= 1000 || ts[1] >= 1000;
             cases.push_back({big ? 1 : 2, ts[0], ts[1], 2, 2, H, causal, dt, (ts[0] + ts[1]) % 2 == 0, 0});
           }
-    // Around the Hopper backward's tiles (64 or 128 queries by 128 keys; 64 by 64 at H 256):
+    // Around the Hopper backward's tiles (64, 80 or 128 queries by 128 keys; 64 by 64 at H 256):
     // sequences ending just inside, on and just past a tile edge, a key block no query sees
     // (causal, S > T).
     for (DType dt : {BF, FP})
@@ -815,6 +815,11 @@ int main(int argc, char** argv) {
           cases.push_back({2, 64, 384, 2, 2, H, causal, dt, false, 0});
           cases.push_back({1, 513, 257, 3, 3, H, causal, dt, true, 8});
         }
+    for (DType dt : {BF, FP}) {  // H 128 without causality: 80-query blocks
+      cases.push_back({1, 80, 200, 2, 1, 128, false, dt, true, 0});
+      cases.push_back({2, 161, 129, 4, 2, 128, false, dt, false, 8});
+      cases.push_back({1, 239, 77, 2, 2, 128, false, dt, true, 0});
+    }
     for (bool causal : {false, true}) {
       cases.push_back({2, 255, 1000, 8, 2, 128, causal, BF, true, 0});    // GQA
       cases.push_back({1, 1000, 255, 8, 1, 64, causal, FP, true, 0});     // MQA
@@ -864,6 +869,7 @@ int main(int argc, char** argv) {
       // The Hopper backward's other layouts with every feature, and its ordered dQ adds.
       cases.push_back({1, 70, 90, 2, 1, 256, false, BF, true, 0, all});
       for (int H : {128, 256}) cases.push_back({2, 130, 200, 4, 2, H, true, BF, true, 0, fs.back()});
+      cases.push_back({2, 170, 200, 4, 2, 128, false, BF, true, 0, fs[fs.size() - 2]});  // ordered, 80-query blocks
     } else if (!bench_only) {
       for (const Features& f : fs)
         for (bool causal : {false, true}) {

@@ -16,9 +16,12 @@
 
 namespace jfa {
 
-// Rows of the dQ accumulator are padded to a multiple of this (a multiple of every backward
-// kBlockM). jax_flashattn/primitives.py sizes the workspace with the same constant.
+// Rows of the dQ accumulator (and of the row statistics) are padded to whole query blocks of
+// every backward kernel: to a multiple of kDqAccumRowAlign, which every kBlockM divides but the
+// Hopper backward's 80 (H 128 without causality or masks), and to a multiple of that 80.
+// jax_flashattn/primitives.py sizes the workspaces with the same constants.
 inline constexpr int64_t kDqAccumRowAlign = 128;
+inline constexpr int64_t kDqAccumTallBlock = 80;
 
 // Query rows per dQ semaphore of the deterministic backward (a divisor of every backward
 // kBlockM). jax_flashattn/primitives.py sizes the semaphore workspace with the same constant.
@@ -240,7 +243,9 @@ struct AttentionParams {
   int32_t* tile_counter = nullptr;
 
   JFA_HOST_DEVICE int64_t dq_accum_rows() const {
-    return (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
+    const int64_t aligned = (T + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
+    const int64_t tall = (T + kDqAccumTallBlock - 1) / kDqAccumTallBlock * kDqAccumTallBlock;
+    return aligned > tall ? aligned : tall;
   }
   JFA_HOST_DEVICE int64_t dkv_accum_rows() const {
     return (S + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
