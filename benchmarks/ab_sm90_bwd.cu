@@ -1,0 +1,149 @@
+// A/B timing of the Hopper backward's plain kernels (no masks) across source trees: compiled
+// against one ROOT's cuda/ headers per binary by benchmarks/ab_sm90_bwd.sh, which runs the
+// binaries in turn. The launcher is header-only, so a binary needs no built library and can be
+// compiled on a machine without a GPU, then carried to one.
+//   ab_sm90_bwd [ROUNDS]   each case of kCases: ROUNDS timed launches (after 3 warm-up ones), median
+// Inputs: random Q, K, V, O and dO, LSE from a sm90-free estimate (log S + 8), so that P and dS stay
+// finite; the figures are for comparing trees, not for quoting against peers (bench_attention.py).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "sm90/bwd_launch.h"
+
+#ifndef AB_HDIM
+#define AB_HDIM 128
+#endif
+#ifndef AB_ROOT
+#define AB_ROOT "?"
+#endif
+
+#define CK(x)                                                                    \
+  do {                                                                           \
+    cudaError_t e_ = (x);                                                        \
+    if (e_ != cudaSuccess) {                                                     \
+      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+
+namespace jfa::sm90 {
+// api.cu's, which this binary does not link.
+int num_sms() {
+  int device = 0, n = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  return n;
+}
+}  // namespace jfa::sm90
+
+namespace {
+
+using Element = cutlass::bfloat16_t;
+using Config = jfa::sm90::BwdConfig<Element, AB_HDIM>;
+
+// The traits run_bwd takes for a call without masks: PlainTraits where a tree has them.
+template <typename C, typename = void>
+struct PlainOf { using type = typename C::Traits; };
+template <typename C>
+struct PlainOf<C, std::void_t<typename C::PlainTraits>> { using type = typename C::PlainTraits; };
+
+// Trees before AttentionParams::accum_cols have rows as wide as H.
+template <typename P>
+auto set_accum_cols(P& p, int h, int) -> decltype(p.accum_cols = 0, void()) { p.accum_cols = h; }
+template <typename P>
+void set_accum_cols(P&, int, long) {}
+
+struct Case { int T, N, K; bool causal; };
+constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096, 2048 / AB_HDIM, 2048 / AB_HDIM, false},
+                           {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, true},
+                           {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, false}, {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, true}};
+
+void run_case(const Case& c, int rounds) {
+  constexpr int H = AB_HDIM;
+  const int B = 16384 / c.T, T = c.T, S = c.T;
+  jfa::AttentionParams p;
+  p.B = B; p.T = T; p.S = S; p.N = c.N; p.K = c.K; p.H = H; p.Hv = H;
+  p.dtype = jfa::DType::kBFloat16;
+  p.is_causal = c.causal;
+  p.scale = 1.f / std::sqrt(float(H));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  set_accum_cols(p, H, 0);
+  const size_t nq = size_t(B) * T * c.N * H, nk = size_t(B) * S * c.K * H;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  void* buf[8];
+  for (int i = 0; i < 8; ++i) {  // q k v o do dq dk dv
+    const bool keys = i == 1 || i == 2 || i == 6 || i == 7;
+    std::vector<Element> h(keys ? nk : nq);
+    for (auto& x : h) x = Element(normal(rng));
+    CK(cudaMalloc(&buf[i], h.size() * sizeof(Element)));
+    CK(cudaMemcpy(buf[i], h.data(), h.size() * sizeof(Element), cudaMemcpyHostToDevice));
+  }
+  p.q = buf[0]; p.k = buf[1]; p.v = buf[2]; p.o = buf[3]; p.dout = buf[4]; p.dq = buf[5]; p.dk = buf[6]; p.dv = buf[7];
+  p.q_strides = p.o_strides = p.do_strides = p.dq_strides = jfa::packed_strides(T, c.N, H);
+  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = jfa::packed_strides(S, c.K, H);
+  std::vector<float> lse(size_t(B) * T * c.N, std::log(float(S)) + 8.f);
+  float *d_lse, *accum, *stats, *dkv = nullptr;
+  CK(cudaMalloc(&d_lse, lse.size() * 4));
+  CK(cudaMemcpy(d_lse, lse.data(), lse.size() * 4, cudaMemcpyHostToDevice));
+  p.lse = d_lse;
+  p.lse_strides = jfa::Strides{int64_t(T) * c.N, c.N, 1};
+  CK(cudaMalloc(&accum, size_t(B) * c.N * p.dq_accum_rows() * H * 4));
+  CK(cudaMalloc(&stats, size_t(2) * B * c.N * p.dq_accum_rows() * 4));
+  p.dq_accum = accum;
+  p.softmax_d = stats;
+  p.lse_log2 = stats + size_t(B) * c.N * p.dq_accum_rows();
+  if (c.N > c.K) {
+    CK(cudaMalloc(&dkv, size_t(2) * B * c.K * p.dkv_accum_rows() * H * 4));
+    p.dkv_accum = dkv;
+  }
+  cudaStream_t stream;
+  CK(cudaStreamCreate(&stream));
+  auto launch = [&] {
+    using namespace jfa::sm90::detail;
+    return c.causal ? launch_bwd<typename Config::Traits, true, 0>(p, stream)
+                    : launch_bwd<typename PlainOf<Config>::type, false, 0>(p, stream);
+  };
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(launch());
+  std::vector<float> ms;
+  for (int r = 0; r < rounds; ++r) {
+    CK(cudaEventRecord(e0, stream));
+    CK(launch());
+    CK(cudaEventRecord(e1, stream));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double flops = 2.5 * 4.0 * B * double(T) * S * c.N * H * (c.causal ? 0.5 : 1.0);
+  const float median = ms[ms.size() / 2];
+  std::printf("AB root=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
+              AB_ROOT, H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
+  for (void* b : buf) CK(cudaFree(b));
+  CK(cudaFree(d_lse));
+  CK(cudaFree(accum));
+  CK(cudaFree(stats));
+  if (dkv != nullptr) CK(cudaFree(dkv));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rounds = argc > 1 ? std::atoi(argv[1]) : 15;
+  for (const Case& c : kCases) run_case(c, rounds);
+  return 0;
+}
