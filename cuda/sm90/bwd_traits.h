@@ -122,6 +122,8 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  // (Where dQᵀ is computed, TiledMmadQRows is a 64-row stand-in that nothing uses: wgmma has no
+  // 80-row atom to build it from.)
   using TiledMmadQRows = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum,
                            Shape<Int<kDqTransposed ? 64 : kBlockM>, Int<kHeadDim / kDqWarpGroupsN>, Int<kBlockN>>, GMMA::Major::K,
