@@ -23,8 +23,9 @@ namespace jfa {
 inline constexpr int64_t kDqAccumRowAlign = 128;
 inline constexpr int64_t kDqAccumTallBlock = 80;
 
-// Query rows per dQ semaphore of the deterministic backward (a divisor of every backward
-// kBlockM). jax_flashattn/primitives.py sizes the semaphore workspace with the same constant.
+// Query rows per dQ semaphore of the deterministic backward (a divisor of every backward kBlockM
+// but the Hopper backward's 80, whose blocks take one semaphore each: sm90/bwd_dq_order.h).
+// jax_flashattn/primitives.py sizes the semaphore workspace with the same constant.
 inline constexpr int64_t kDqSemaphoreRows = 64;
 
 // Copies ("lanes") of the dQ accumulator that the deterministic backward's workspace holds:
