@@ -2,7 +2,8 @@
 // against one ROOT's cuda/ headers per binary by benchmarks/ab_sm90_bwd.sh, which runs the
 // binaries in turn. The launcher is header-only, so a binary needs no built library and can be
 // compiled on a machine without a GPU, then carried to one.
-//   ab_sm90_bwd [ROUNDS]   each case of kCases: ROUNDS timed launches (after 3 warm-up ones), median
+//   ab_sm90_bwd [ROUNDS [MIN_T]]   each case of kCases with T >= MIN_T: ROUNDS timed launches (after
+//                                  3 warm-up ones), median
 // Inputs: random Q, K, V, O and dO, LSE from a sm90-free estimate (log S + 8), so that P and dS stay
 // finite; the figures are for comparing trees, not for quoting against peers (bench_attention.py).
 #include <cuda_runtime.h>
@@ -11,7 +12,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <type_traits>
 #include <vector>
 
@@ -54,11 +54,36 @@ struct PlainOf { using type = typename C::Traits; };
 template <typename C>
 struct PlainOf<C, std::void_t<typename C::PlainTraits>> { using type = typename C::PlainTraits; };
 
+// Normal-ish values (the sum of four hashed uniforms, centred and scaled to unit variance) made on
+// the device: host generation of 16k x 2048 elements per buffer took most of a run.
+__global__ void fill_random(Element* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B9u ^ seed * 0x85EBCA6Bu ^ uint32_t(i >> 32);
+    float sum = 0.f;
+    for (int k = 0; k < 4; ++k) {
+      h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
+      sum += float(h) * 2.3283064e-10f;
+    }
+    x[i] = Element((sum - 2.f) * 1.7320508f);
+  }
+}
+
 // Trees before AttentionParams::accum_cols have rows as wide as H.
 template <typename P>
 auto set_accum_cols(P& p, int h, int) -> decltype(p.accum_cols = 0, void()) { p.accum_cols = h; }
 template <typename P>
 void set_accum_cols(P&, int, long) {}
+
+// The float32 dK/dV workspace of causal GQA, in trees that have one.
+template <typename P>
+auto alloc_dkv_accum(P& p, int B, int K, int H, int) -> decltype(p.dkv_accum_rows(), (float*)nullptr) {
+  float* dkv = nullptr;
+  CK(cudaMalloc(&dkv, size_t(2) * B * K * p.dkv_accum_rows() * H * 4));
+  p.dkv_accum = dkv;
+  return dkv;
+}
+template <typename P>
+float* alloc_dkv_accum(P&, int, int, int, long) { return nullptr; }
 
 struct Case { int T, N, K; bool causal; };
 constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096, 2048 / AB_HDIM, 2048 / AB_HDIM, false},
@@ -76,15 +101,13 @@ void run_case(const Case& c, int rounds) {
   p.scale_log2 = p.scale * 1.4426950408889634f;
   set_accum_cols(p, H, 0);
   const size_t nq = size_t(B) * T * c.N * H, nk = size_t(B) * S * c.K * H;
-  std::mt19937 rng(1);
-  std::normal_distribution<float> normal(0.f, 1.f);
   void* buf[8];
   for (int i = 0; i < 8; ++i) {  // q k v o do dq dk dv
     const bool keys = i == 1 || i == 2 || i == 6 || i == 7;
-    std::vector<Element> h(keys ? nk : nq);
-    for (auto& x : h) x = Element(normal(rng));
-    CK(cudaMalloc(&buf[i], h.size() * sizeof(Element)));
-    CK(cudaMemcpy(buf[i], h.data(), h.size() * sizeof(Element), cudaMemcpyHostToDevice));
+    const size_t n = keys ? nk : nq;
+    CK(cudaMalloc(&buf[i], n * sizeof(Element)));
+    fill_random<<<1024, 256>>>(static_cast<Element*>(buf[i]), n, i + 1);
+    CK(cudaGetLastError());
   }
   p.q = buf[0]; p.k = buf[1]; p.v = buf[2]; p.o = buf[3]; p.dout = buf[4]; p.dq = buf[5]; p.dk = buf[6]; p.dv = buf[7];
   p.q_strides = p.o_strides = p.do_strides = p.dq_strides = jfa::packed_strides(T, c.N, H);
@@ -100,16 +123,18 @@ void run_case(const Case& c, int rounds) {
   p.dq_accum = accum;
   p.softmax_d = stats;
   p.lse_log2 = stats + size_t(B) * c.N * p.dq_accum_rows();
-  if (c.N > c.K) {
-    CK(cudaMalloc(&dkv, size_t(2) * B * c.K * p.dkv_accum_rows() * H * 4));
-    p.dkv_accum = dkv;
-  }
+  if (c.N > c.K) dkv = alloc_dkv_accum(p, B, c.K, H, 0);
   cudaStream_t stream;
   CK(cudaStreamCreate(&stream));
   auto launch = [&] {
     using namespace jfa::sm90::detail;
+#ifdef AB_LAUNCH_WITHOUT_POLICIES  // trees before the policy-set kernels (2026-11-24 morning)
+    return c.causal ? launch_bwd<typename Config::Traits, true>(p, stream)
+                    : launch_bwd<typename PlainOf<Config>::type, false>(p, stream);
+#else
     return c.causal ? launch_bwd<typename Config::Traits, true, 0>(p, stream)
                     : launch_bwd<typename PlainOf<Config>::type, false, 0>(p, stream);
+#endif
   };
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
@@ -130,6 +155,7 @@ void run_case(const Case& c, int rounds) {
   const float median = ms[ms.size() / 2];
   std::printf("AB root=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
               AB_ROOT, H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
+  std::fflush(stdout);
   for (void* b : buf) CK(cudaFree(b));
   CK(cudaFree(d_lse));
   CK(cudaFree(accum));
@@ -144,6 +170,8 @@ void run_case(const Case& c, int rounds) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 15;
-  for (const Case& c : kCases) run_case(c, rounds);
+  const int min_t = argc > 2 ? std::atoi(argv[2]) : 0;
+  for (const Case& c : kCases)
+    if (c.T >= min_t) run_case(c, rounds);
   return 0;
 }

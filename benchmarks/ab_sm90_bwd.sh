@@ -6,9 +6,12 @@
 #                                                  nvidia-cutlass, not a GPU (~90 s per head dim and root
 #                                                  on 2 cores), so the binaries can be built here and
 #                                                  carried (the ignored .ab/) to the GPU machine.
-#   bash benchmarks/ab_sm90_bwd.sh run [ROUNDS]    every binary in .ab/bin in turn, AB_PASSES times
-#                                                  (default 2), so that clock drift reaches each alike.
-# AB_HDIM: the head dim compiled in (64, 128 or 256; default 128).
+#   bash benchmarks/ab_sm90_bwd.sh run [ROUNDS [MIN_T]]
+#                                                  every binary in .ab/bin in turn, AB_PASSES times
+#                                                  (default 2), so that clock drift reaches each alike;
+#                                                  only the cases with T >= MIN_T.
+# AB_HDIM: the head dim compiled in (64, 128 or 256; default 128). AB_NVCC_FLAGS: more nvcc flags,
+# e.g. -DAB_LAUNCH_WITHOUT_POLICIES for trees whose launch_bwd takes no policy set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=.ab/bin
@@ -24,7 +27,7 @@ case "${1:-}" in
       name=$(basename "$(cd "$root" && pwd)")
       out="$bin/$i-$name-h${AB_HDIM:-128}"
       nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -DAB_HDIM="${AB_HDIM:-128}" -DAB_ROOT="\"$name\"" \
+        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -DAB_HDIM="${AB_HDIM:-128}" -DAB_ROOT="\"$name\"" ${AB_NVCC_FLAGS:-} \
         -I"$root/cuda" -I"$root/cuda/include" -isystem "$cutlass" benchmarks/ab_sm90_bwd.cu -o "$out" \
         > "$out.log" 2>&1 &
       i=$((i + 1))
@@ -36,7 +39,7 @@ case "${1:-}" in
   run)
     for pass in $(seq "${AB_PASSES:-2}"); do
       for b in "$bin"/*; do
-        [ -x "$b" ] && [ "${b%.log}" = "$b" ] && timeout 120 "$b" "${2:-15}"
+        [ -x "$b" ] && [ "${b%.log}" = "$b" ] && timeout 120 "$b" "${2:-15}" "${3:-0}"
       done
     done
     ;;

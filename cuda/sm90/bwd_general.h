@@ -30,6 +30,7 @@
 #include "jfa/score_mod.h"  // kLog2eF
 #include "bwd_softmax.h"
 #include "mask_policies.h"
+#include "utils.h"
 
 namespace jfa::sm90 {
 
@@ -296,9 +297,9 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
       const float dlogit = prob * (dp(r, cc) * z - dsum_i);
       if constexpr (kGeneral && kBias) {
         if (dbias != nullptr && dlogit != 0.f)
-          atomicAdd(dbias + int64_t(query0 + qk_query) * m.dbias_strides.row +
-                        int64_t(b.key0 + qk_key) * m.dbias_strides.col,
-                    dlogit);
+          red_add_f32(dbias + int64_t(query0 + qk_query) * m.dbias_strides.row +
+                          int64_t(b.key0 + qk_key) * m.dbias_strides.col,
+                      dlogit);
       }
       if constexpr (kModified && kAlibi) slope_dot = fmaf(dlogit, float(abs_dist), slope_dot);
       s(r, cc) = prob * z;

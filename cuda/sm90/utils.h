@@ -116,8 +116,21 @@ __forceinline__ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// Adds a warpgroup's accumulator into `share` in global memory with 16-byte float atomics, value
-// group g (4 floats) of thread t at float (g·128 + t)·4: a warpgroup's atomics cover contiguous
+// A 16-byte float add into global memory whose result is not read, as a reduction (red): ptxas may
+// keep an atomicAdd with an unused result as an atom that waits for its reply (it did for the
+// split-head dQ adds once the ordered adds of deterministic=True put a fence after them).
+__forceinline__ __device__ void red_add_f32x4(float* address, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+
+// The same for one float (d(bias)'s per-element adds).
+__forceinline__ __device__ void red_add_f32(float* address, float a) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(address), "f"(a) : "memory");
+}
+
+// Adds a warpgroup's accumulator into `share` in global memory with 16-byte float reductions,
+// value group g (4 floats) of thread t at float (g·128 + t)·4: a warpgroup's adds cover contiguous
 // spans, and a reader that knows the accumulator's layout finds every value's coordinates.
 template <typename Acc>
 __forceinline__ __device__ void atomic_add_share(Acc const& acc, float* share, int wg_tid) {
@@ -125,8 +138,7 @@ __forceinline__ __device__ void atomic_add_share(Acc const& acc, float* share, i
   static_assert(n % 4 == 0);
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g)
-    atomicAdd(reinterpret_cast<float4*>(share) + g * 128 + wg_tid,
-              make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
+    red_add_f32x4(share + (g * 128 + wg_tid) * 4, acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3));
 }
 
 }  // namespace jfa::sm90
