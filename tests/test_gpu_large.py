@@ -16,7 +16,7 @@ from util import BOUNDS, fresh_seed, reference_with_grads, rel_err
 
 pytestmark = pytest.mark.gpu
 
-B, T, N, H = 32769, 256, 2, 128  # 2^31 + 2^18 elements per operand; batch element 32768 starts at 2^31
+B, T, N, H = 32769, 256, 2, 128  # 2^31 + 2^16 elements per operand; batch element 32768 starts at 2^31
 NEEDED_BYTES = 60 * 2**30
 
 
