@@ -1,9 +1,12 @@
-// A/B timing of the Hopper backward's plain kernels (no masks) across source trees: compiled
-// against one ROOT's cuda/ headers per binary by benchmarks/ab_sm90_bwd.sh, which runs the
-// binaries in turn. The launcher is header-only, so a binary needs no built library and can be
-// compiled on a machine without a GPU, then carried to one.
-//   ab_sm90_bwd [ROUNDS [MIN_T]]   each case of kCases with T >= MIN_T: ROUNDS timed launches (after
-//                                  3 warm-up ones), median
+// A/B timing of the Hopper backward across source trees: compiled against one ROOT's cuda/
+// headers per binary by benchmarks/ab_sm90_bwd.sh, which runs the binaries in turn. The launcher
+// is header-only, so a binary needs no built library and can be compiled on a machine without a
+// GPU, then carried to one.
+//   ab_sm90_bwd [ROUNDS [MIN_T [MODE]]]   each case of kCases with T >= MIN_T: ROUNDS timed
+//                                         launches (after 3 warm-up ones), median. MODE: plain
+//                                         (default; the kernels without masks), dropout (rate 0.1,
+//                                         the general path's dropout kernel; needs -DAB_DROPOUT) or
+//                                         det (deterministic=True: ordered dQ adds)
 // Inputs: random Q, K, V, O and dO, LSE from a sm90-free estimate (log S + 8), so that P and dS stay
 // finite; the figures are for comparing trees, not for quoting against peers (bench_attention.py).
 #include <cuda_runtime.h>
@@ -12,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -90,7 +94,9 @@ constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096,
                            {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, true},
                            {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, false}, {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, true}};
 
-void run_case(const Case& c, int rounds) {
+enum class Mode { kPlain, kDropout, kDeterministic };
+
+void run_case(const Case& c, int rounds, Mode mode) {
   constexpr int H = AB_HDIM;
   const int B = 16384 / c.T, T = c.T, S = c.T;
   jfa::AttentionParams p;
@@ -100,6 +106,8 @@ void run_case(const Case& c, int rounds) {
   p.scale = 1.f / std::sqrt(float(H));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   set_accum_cols(p, H, 0);
+  p.deterministic = mode == Mode::kDeterministic;
+  const int lanes = p.deterministic ? int(jfa::kDqLanes) : 1;
   const size_t nq = size_t(B) * T * c.N * H, nk = size_t(B) * S * c.K * H;
   void* buf[8];
   for (int i = 0; i < 8; ++i) {  // q k v o do dq dk dv
@@ -118,7 +126,21 @@ void run_case(const Case& c, int rounds) {
   CK(cudaMemcpy(d_lse, lse.data(), lse.size() * 4, cudaMemcpyHostToDevice));
   p.lse = d_lse;
   p.lse_strides = jfa::Strides{int64_t(T) * c.N, c.N, 1};
-  CK(cudaMalloc(&accum, size_t(B) * c.N * p.dq_accum_rows() * H * 4));
+  CK(cudaMalloc(&accum, size_t(lanes) * B * c.N * p.dq_accum_rows() * H * 4));
+  int32_t* semaphores = nullptr;
+  if (p.deterministic) {
+    CK(cudaMalloc(&semaphores, size_t(lanes) * B * c.N * p.dq_semaphores_per_head() * 4));
+    p.dq_semaphore = semaphores;
+  }
+  uint32_t* seeds = nullptr;
+  if (mode == Mode::kDropout) {
+    std::vector<uint32_t> host(size_t(B) * 3);
+    for (int b = 0; b < B; ++b) host[3 * b] = 0x1234u + b, host[3 * b + 1] = 0xBEEFu, host[3 * b + 2] = b;
+    CK(cudaMalloc(&seeds, host.size() * 4));
+    CK(cudaMemcpy(seeds, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+    p.mask.dropout_rate = 0.1f;
+    p.mask.dropout_seeds = seeds;
+  }
   CK(cudaMalloc(&stats, size_t(2) * B * c.N * p.dq_accum_rows() * 4));
   p.dq_accum = accum;
   p.softmax_d = stats;
@@ -132,6 +154,10 @@ void run_case(const Case& c, int rounds) {
     return c.causal ? launch_bwd<typename Config::Traits, true>(p, stream)
                     : launch_bwd<typename PlainOf<Config>::type, false>(p, stream);
 #else
+#ifdef AB_DROPOUT
+    if (mode == Mode::kDropout)
+      return launch_bwd<typename Config::Traits, false, jfa::sm90::kBwdDropoutPositionsSet>(p, stream);
+#endif
     return c.causal ? launch_bwd<typename Config::Traits, true, 0>(p, stream)
                     : launch_bwd<typename PlainOf<Config>::type, false, 0>(p, stream);
 #endif
@@ -153,14 +179,17 @@ void run_case(const Case& c, int rounds) {
   std::sort(ms.begin(), ms.end());
   const double flops = 2.5 * 4.0 * B * double(T) * S * c.N * H * (c.causal ? 0.5 : 1.0);
   const float median = ms[ms.size() / 2];
-  std::printf("AB root=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
-              AB_ROOT, H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
+  static const char* const kModeNames[] = {"plain", "dropout", "det"};
+  std::printf("AB root=%s mode=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
+              AB_ROOT, kModeNames[int(mode)], H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
   std::fflush(stdout);
   for (void* b : buf) CK(cudaFree(b));
   CK(cudaFree(d_lse));
   CK(cudaFree(accum));
   CK(cudaFree(stats));
   if (dkv != nullptr) CK(cudaFree(dkv));
+  if (semaphores != nullptr) CK(cudaFree(semaphores));
+  if (seeds != nullptr) CK(cudaFree(seeds));
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   CK(cudaStreamDestroy(stream));
@@ -171,7 +200,15 @@ void run_case(const Case& c, int rounds) {
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 15;
   const int min_t = argc > 2 ? std::atoi(argv[2]) : 0;
+  const std::string name = argc > 3 ? argv[3] : "plain";
+  const Mode mode = name == "dropout" ? Mode::kDropout : name == "det" ? Mode::kDeterministic : Mode::kPlain;
+#ifndef AB_DROPOUT
+  if (mode == Mode::kDropout) {
+    std::printf("AB root=%s: built without -DAB_DROPOUT\n", AB_ROOT);
+    return 0;
+  }
+#endif
   for (const Case& c : kCases)
-    if (c.T >= min_t) run_case(c, rounds);
+    if (c.T >= min_t) run_case(c, rounds, mode);
   return 0;
 }
