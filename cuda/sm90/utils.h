@@ -136,9 +136,10 @@ template <typename Acc>
 __forceinline__ __device__ void atomic_add_share(Acc const& acc, float* share, int wg_tid) {
   constexpr int n = decltype(size(acc))::value;
   static_assert(n % 4 == 0);
+  float* const mine = share + 4 * wg_tid;  // + a constant per group: immediate offsets in the SASS
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g)
-    red_add_f32x4(share + (g * 128 + wg_tid) * 4, acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3));
+    red_add_f32x4(mine + g * 512, acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3));
 }
 
 }  // namespace jfa::sm90
