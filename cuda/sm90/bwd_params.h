@@ -88,6 +88,20 @@ struct BwdWalk {
     const int g = s / steps_per_head;
     return {head0 + g, m_begin + (s - g * steps_per_head)};
   }
+  // Step s + 1 from step s (`st`): step()'s order without its division, which the loops' walks
+  // would otherwise repeat at the start of every step.
+  __forceinline__ __device__ BwdStep after(BwdStep st, int heads) const {
+    if (ordered) {
+      if (++st.head == head0 + heads) {
+        st.head = head0;
+        --st.m_block;
+      }
+    } else if (++st.m_block == m_begin + steps_per_head) {
+      st.m_block = m_begin;
+      ++st.head;
+    }
+    return st;
+  }
 };
 
 // Whether the walk skips the steps that the boolean mask's summaries prove empty: on its kernels
@@ -172,11 +186,13 @@ __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, St
                                                   Body&& body) {
   ss.kv_full.wait(0);
   typename Traits::PipelineState read;
+  BwdStep st = walk.step(walk.first, p.heads);
 #pragma unroll 1
   for (int s = walk.first, k = 0; s < walk.num_steps; ++k) {
     const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
-    body(k, walk.step(s, p.heads), next, read);
+    body(k, st, next, read);
     ++read;
+    st = next == s + 1 ? walk.after(st, p.heads) : walk.step(next, p.heads);
     s = next;
   }
 }
