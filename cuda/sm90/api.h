@@ -43,7 +43,8 @@ cudaError_t forward(const AttentionParams& p, cudaStream_t stream);
 // (bwd_dq_order.h), and what TMA needs of q, k, v, dout, dk and dv (as can_implement).
 bool can_implement_backward(const AttentionParams& p);
 
-// Writes p.dq, p.dk, p.dv. Workspace: p.dq_accum (one lane), p.softmax_d and p.lse_log2 (params.h);
+// Writes p.dq, p.dk, p.dv. Workspace: p.dq_accum (kDqLanes lanes with deterministic=True, else one),
+// p.softmax_d and p.lse_log2 (params.h);
 // p.dlse may be null. cudaErrorNotSupported where !can_implement_backward(p).
 cudaError_t backward(const AttentionParams& p, cudaStream_t stream);
 

@@ -1,9 +1,13 @@
 // deterministic=True on the Hopper backward: every query block's dQ partial sums are added in
 // increasing key-block order, so the float32 accumulator, and dQ, are the same bits on every run.
 //
-// A semaphore per (batch, query head, kDqSemaphoreRows query rows) counts the key blocks that have
-// added into the block (zeroed by the launcher). Key block n_block's turn at query block m_block is
-// the number of lower key blocks that add there (bwd_dq_turn); the adder waits until the count
+// Key block n_block adds into copy ("lane") n_block % kDqLanes of the accumulator (params.h), whose
+// chain of turns holds every kDqLanes-th key block only: a CTA waits for the one kDqLanes key
+// blocks below it, which started that much earlier, rather than for the one just below; the
+// conversion (bwd_postprocess.h) adds the lanes up in a fixed order. A semaphore per (lane, batch,
+// query head, kDqSemaphoreRows query rows) counts the key blocks of its lane that have added into
+// the block (zeroed by the launcher). Key block n_block's turn at query block m_block is the number
+// of lower key blocks of its lane that add there (bwd_dq_turn); the adder waits until the count
 // reaches it, adds, makes the adds visible and increments the count. A CTA only ever waits for
 // CTAs of lower key blocks of its (batch, K/V head), which every tile order launches first
 // (tile_scheduler.h: n-block-minor, or n-block rank-major within a section), so they are resident
@@ -17,31 +21,39 @@
 
 namespace jfa::sm90 {
 
-// The semaphore of query block m_block (kBlockM rows) of (batch, head): for a multiple of
-// kDqSemaphoreRows the first of its rows' (lane 0 of the portable kernels' layout, params.h); for
-// taller blocks (80 rows) the m_block-th, of which (batch, head) has at least as many.
-template <int kBlockM>
-__forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, int batch, int head, int m_block) {
-  static_assert(kBlockM % kDqSemaphoreRows == 0 || kBlockM > kDqSemaphoreRows);
-  constexpr int kPerBlock = kBlockM % kDqSemaphoreRows == 0 ? int(kBlockM / kDqSemaphoreRows) : 1;
-  return p.dq_semaphore + (int64_t(batch) * p.N + head) * p.dq_semaphores_per_head() + int64_t(m_block) * kPerBlock;
+// The lane key block n_block adds into: 0 unless deterministic=True.
+__forceinline__ __device__ int bwd_dq_lane(const AttentionParams& p, int n_block) {
+  return p.deterministic ? n_block % int(kDqLanes) : 0;
 }
 
-// How many key blocks below n_block add into query block m_block: all of them on the plain path
-// (every key block walks every query block; top-left causal: a lower key block's walk starts no
-// later and ends at the last block), else those whose walk (bwd_general_m_blocks) holds m_block,
-// counted by the 32 lanes of the calling warp together.
+// The semaphore of query block m_block (kBlockM rows) of (batch, head) in lane `lane`: for a
+// multiple of kDqSemaphoreRows the first of its rows' (the portable kernels' layout, params.h); for
+// taller blocks (80 rows) the m_block-th, of which (batch, head) has at least as many.
+template <int kBlockM>
+__forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, int lane, int batch, int head,
+                                                     int m_block) {
+  static_assert(kBlockM % kDqSemaphoreRows == 0 || kBlockM > kDqSemaphoreRows);
+  constexpr int kPerBlock = kBlockM % kDqSemaphoreRows == 0 ? int(kBlockM / kDqSemaphoreRows) : 1;
+  return p.dq_semaphore + ((int64_t(lane) * p.B + batch) * p.N + head) * p.dq_semaphores_per_head() +
+         int64_t(m_block) * kPerBlock;
+}
+
+// How many key blocks below n_block in its dQ lane add into query block m_block: all of them on
+// the plain path (every key block walks every query block; top-left causal: a lower key block's
+// walk starts no later and ends at the last block), else those whose walk (bwd_general_m_blocks)
+// holds m_block, counted by the 32 threads of the calling warp together.
 template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, int kv_head, int n_block, int m_block) {
   if constexpr (kPolicies == 0) {
-    return n_block;
+    return n_block / int(kDqLanes);
   } else {
-    const int lane = threadIdx.x % 32;
+    const int thread = threadIdx.x % 32;
     int turn = 0;
     for (int base = 0; base < n_block; base += 32) {
+      const int other = base + thread;
       bool adds = false;
-      if (base + lane < n_block) {
-        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, kv_head, base + lane);
+      if (other < n_block && other % int(kDqLanes) == n_block % int(kDqLanes)) {
+        const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, kv_head, other);
         adds = m_block >= r.x && m_block < r.y;
       }
       turn += __popc(__ballot_sync(0xffffffffu, adds));

@@ -24,13 +24,15 @@ template <typename Traits, bool kCausal, int kPolicies>
 cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
-  // The dQ partial sums are added into the accumulator: start from zero (padding rows too); so are
-  // the dQ turns, d(bias) and d(slopes) (launch_bwd_row_stats).
+  // The dQ partial sums are added into the accumulator, every lane of it (bwd_dq_order.h): start
+  // from zero (padding rows too); so are the dQ turns, d(bias) and d(slopes) (launch_bwd_row_stats).
+  const int64_t lanes = p.deterministic ? kDqLanes : 1;
   cudaError_t err =
-      cudaMemsetAsync(p.dq_accum, 0, size_t(p.B * p.N * p.dq_accum_rows()) * kHeadDim * sizeof(float), stream);
+      cudaMemsetAsync(p.dq_accum, 0, size_t(lanes * bwd_dq_lane_floats<kHeadDim>(p)) * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  if (p.deterministic) {  // the dQ turns (bwd_dq_order.h): lane 0 of the portable kernels' layout
-    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(p.B * p.N * p.dq_semaphores_per_head()) * sizeof(int32_t), stream);
+  if (p.deterministic) {  // the dQ turns (bwd_dq_order.h), in the portable kernels' layout
+    err = cudaMemsetAsync(p.dq_semaphore, 0, size_t(lanes * p.B * p.N * p.dq_semaphores_per_head()) * sizeof(int32_t),
+                          stream);
     if (err != cudaSuccess) return err;
   }
   if ((err = launch_bwd_row_stats<Element, kHeadDim>(p, stream)) != cudaSuccess) return err;

@@ -203,6 +203,13 @@ __forceinline__ __device__ int64_t bwd_row_offset(const AttentionParams& p, int 
   return (int64_t(batch) * p.N + head) * p.dq_accum_rows() + int64_t(m_block) * Traits::kBlockM;
 }
 
+// Floats per copy ("lane", params.h: kDqLanes) of the dQ accumulator of a kernel of head dim
+// kHeadDim.
+template <int kHeadDim>
+__forceinline__ __host__ __device__ int64_t bwd_dq_lane_floats(const AttentionParams& p) {
+  return p.B * p.N * p.dq_accum_rows() * kHeadDim;
+}
+
 // A warpgroup's share of the dK (which = 0) or dV (1) partial sums of key block n_block in the
 // workspace (params.h: dkv_accum), in atomic_add_share's order; the warpgroups' shares follow one
 // another.

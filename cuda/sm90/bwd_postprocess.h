@@ -1,4 +1,5 @@
-// The Hopper backward's last kernel: dQ = scale · (the float32 accumulator), to the input dtype.
+// The Hopper backward's last kernel: dQ = scale · (the float32 accumulator), to the input dtype;
+// with deterministic=True the accumulator's lanes (bwd_dq_order.h) added up first, lane 0 first.
 // One CTA per (query block, query head, batch), one thread per MMA thread of the main kernel: each
 // reads back the values that thread staged (bwd_traits.h, kDqSliceFloats' order) and finds their
 // (row, column) through the same dQ tiled MMA (or its transpose, AccShapedQ).
@@ -41,9 +42,15 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
   constexpr int n = decltype(size(coord))::value;
   const float4* slice = reinterpret_cast<const float4*>(
       p.dq_accum + bwd_row_offset<Traits>(p, batch, head, m_block) * kHeadDim + w * Traits::kDqSliceFloats);
+  const int lanes = p.deterministic ? int(kDqLanes) : 1;
+  const int64_t lane_float4s = bwd_dq_lane_floats<kHeadDim>(p) / 4;
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g) {
-    const float4 x = slice[g * 128 + wg_tid];
+    float4 x = slice[g * 128 + wg_tid];
+    for (int lane = 1; lane < lanes; ++lane) {
+      const float4 y = slice[lane * lane_float4s + g * 128 + wg_tid];
+      x.x += y.x, x.y += y.y, x.z += y.z, x.w += y.w;
+    }
     const float v[4] = {x.x, x.y, x.z, x.w};
     CUTE_UNROLL
     for (int j = 0; j < 4; ++j) {

@@ -495,8 +495,9 @@ struct BenchProblem {
   void* bwd_bufs[8] = {};
   void enable_backward(cudaStream_t s) {
     const size_t n = size_t(p.B) * p.T * p.N * p.H, rows = size_t(p.B) * p.N * p.dq_accum_rows();
-    const size_t sizes[8] = {n * 2, n * 2, n * 2, n * 2, rows * p.H * 4, 2 * rows * 4,
-                             size_t(p.B * p.N * p.dq_semaphores_per_head()) * 4,
+    // Every lane of the deterministic run's dQ accumulator and semaphores.
+    const size_t sizes[8] = {n * 2, n * 2, n * 2, n * 2, jfa::kDqLanes * rows * p.H * 4, 2 * rows * 4,
+                             size_t(jfa::kDqLanes * p.B * p.N * p.dq_semaphores_per_head()) * 4,
                              size_t(p.B * p.N * ((p.S + jfa::kDslopeKeys - 1) / jfa::kDslopeKeys)) * 4};
     for (int i = 0; i < 8; ++i) {
       CK(cudaMalloc(&bwd_bufs[i], sizes[i]));
