@@ -1,10 +1,11 @@
 // deterministic=True on the Hopper backward: every query block's dQ partial sums are added in
 // increasing key-block order, so the float32 accumulator, and dQ, are the same bits on every run.
 //
-// Key block n_block adds into copy ("lane") n_block % kDqLanes of the accumulator (params.h), whose
-// chain of turns holds every kDqLanes-th key block only: a CTA waits for the one kDqLanes key
-// blocks below it, which started that much earlier, rather than for the one just below; the
-// conversion (bwd_postprocess.h) adds the lanes up in a fixed order. A semaphore per (lane, batch,
+// With kLanes copies ("lanes") of the accumulator (params.h: up to kDqLanes; the traits'
+// kDeterministicDqLanes), key block n_block adds into lane n_block % kLanes, whose chain of turns
+// holds every kLanes-th key block only: a CTA waits for the one kLanes key blocks below it, which
+// started that much earlier, rather than for the one just below; the conversion
+// (bwd_postprocess.h) adds the lanes up in a fixed order. A semaphore per (lane, batch,
 // query head, kDqSemaphoreRows query rows) counts the key blocks of its lane that have added into
 // the block (zeroed by the launcher). Key block n_block's turn at query block m_block is the number
 // of lower key blocks of its lane that add there (bwd_dq_turn); the adder waits until the count
@@ -22,8 +23,10 @@
 namespace jfa::sm90 {
 
 // The lane key block n_block adds into: 0 unless deterministic=True.
+template <int kLanes>
 __forceinline__ __device__ int bwd_dq_lane(const AttentionParams& p, int n_block) {
-  return p.deterministic ? n_block % int(kDqLanes) : 0;
+  static_assert(kLanes >= 1 && kLanes <= kDqLanes);
+  return p.deterministic ? n_block % kLanes : 0;
 }
 
 // The semaphore of query block m_block (kBlockM rows) of (batch, head) in lane `lane`: for a
@@ -42,17 +45,17 @@ __forceinline__ __device__ int32_t* bwd_dq_semaphore(const AttentionParams& p, i
 // the plain path (every key block walks every query block; top-left causal: a lower key block's
 // walk starts no later and ends at the last block), else those whose walk (bwd_general_m_blocks)
 // holds m_block, counted by the 32 threads of the calling warp together.
-template <int kBlockM, int kBlockN, int kPolicies>
+template <int kBlockM, int kBlockN, int kPolicies, int kLanes>
 __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, int kv_head, int n_block, int m_block) {
   if constexpr (kPolicies == 0) {
-    return n_block / int(kDqLanes);
+    return n_block / kLanes;
   } else {
     const int thread = threadIdx.x % 32;
     int turn = 0;
     for (int base = 0; base < n_block; base += 32) {
       const int other = base + thread;
       bool adds = false;
-      if (other < n_block && other % int(kDqLanes) == n_block % int(kDqLanes)) {
+      if (other < n_block && other % kLanes == n_block % kLanes) {
         const int2 r = bwd_general_m_blocks<kBlockM, kBlockN, kPolicies>(p, batch, kv_head, other);
         adds = m_block >= r.x && m_block < r.y;
       }

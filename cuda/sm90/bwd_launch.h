@@ -24,9 +24,10 @@ template <typename Traits, bool kCausal, int kPolicies>
 cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
-  // The dQ partial sums are added into the accumulator, every lane of it (bwd_dq_order.h): start
-  // from zero (padding rows too); so are the dQ turns, d(bias) and d(slopes) (launch_bwd_row_stats).
-  const int64_t lanes = p.deterministic ? kDqLanes : 1;
+  // The dQ partial sums are added into the accumulator, every lane the kernel uses
+  // (bwd_dq_order.h): start from zero (padding rows too); so are the dQ turns, d(bias) and
+  // d(slopes) (launch_bwd_row_stats).
+  const int64_t lanes = p.deterministic ? Traits::kDeterministicDqLanes : 1;
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(lanes * bwd_dq_lane_floats<kHeadDim>(p)) * sizeof(float), stream);
   if (err != cudaSuccess) return err;

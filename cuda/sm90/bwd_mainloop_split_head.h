@@ -97,7 +97,8 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ);
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, stage), tdKrdK);
     pipeline_do.consumer_release(read);  // dP and dV have read dO
-    const int lane = bwd_dq_lane(p.attn, walk.n_block);
+    constexpr int kLanes = Traits::kDeterministicDqLanes;
+    const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
     float* dq = p.attn.dq_accum + lane * bwd_dq_lane_floats<kHeadDim>(p.attn) +
                 bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * kHeadDim;
     // deterministic=True: this key block's turn at the query block first (bwd_dq_order.h).
@@ -105,7 +106,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     if (p.attn.deterministic) {
       semaphore = bwd_dq_semaphore<kBlockM>(p.attn, lane, walk.batch, st.head, st.m_block);
       if (tid < 32) {
-        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
+        const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies, kLanes>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
         if (tid == 0) bwd_dq_wait_turn(semaphore, turn);
       }
       bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);

@@ -1,5 +1,6 @@
 // The Hopper backward's last kernel: dQ = scale · (the float32 accumulator), to the input dtype;
-// with deterministic=True the accumulator's lanes (bwd_dq_order.h) added up first, lane 0 first.
+// with deterministic=True the accumulator's lanes that the kernel used (bwd_dq_order.h) added up
+// first, lane 0 first.
 // One CTA per (query block, query head, batch), one thread per MMA thread of the main kernel: each
 // reads back the values that thread staged (bwd_traits.h, kDqSliceFloats' order) and finds their
 // (row, column) through the same dQ tiled MMA (or its transpose, AccShapedQ).
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
   constexpr int n = decltype(size(coord))::value;
   const float4* slice = reinterpret_cast<const float4*>(
       p.dq_accum + bwd_row_offset<Traits>(p, batch, head, m_block) * kHeadDim + w * Traits::kDqSliceFloats);
-  const int lanes = p.deterministic ? int(kDqLanes) : 1;
+  const int lanes = p.deterministic ? Traits::kDeterministicDqLanes : 1;
   const int64_t lane_float4s = bwd_dq_lane_floats<kHeadDim>(p) / 4;
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g) {

@@ -82,7 +82,8 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   static_assert(Traits::kNumMmaWarpGroups == 2);
   const bool leader = threadIdx.x % 32 == 0;
   constexpr int kHandshake = 128 + 32;
-  const int lane = bwd_dq_lane(p.attn, walk.n_block);
+  constexpr int kLanes = Traits::kDeterministicDqLanes;
+  const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
   float* const dq_lane = p.attn.dq_accum + lane * bwd_dq_lane_floats<Traits::kHeadDim>(p.attn);
 #pragma unroll 1
   for (int s = walk.first; s < walk.num_steps;) {
@@ -92,7 +93,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
     int32_t* semaphore = nullptr;
     if (p.attn.deterministic) {
       const int turn =
-          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
+          bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies, kLanes>(p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
       semaphore = bwd_dq_semaphore<Traits::kBlockM>(p.attn, lane, walk.batch, st.head, st.m_block);
       if (leader) bwd_dq_wait_turn(semaphore, turn);
       __syncwarp();

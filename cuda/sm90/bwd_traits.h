@@ -36,6 +36,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "jfa/params.h"
 #include "tma.h"
 #include "utils.h"
 
@@ -103,6 +104,10 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   using typename Base::SmemAtom;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumMmaWarpGroups, Base::kStages;
   static constexpr bool kSplitHead = false;
+  // deterministic=True adds into one lane of the dQ accumulator (bwd_dq_order.h): the producer's
+  // writer warp makes the ordered adds, off the warpgroups' path, and two lanes measured slower
+  // at H 128 (more of the accumulator in L2 at once).
+  static constexpr int kDeterministicDqLanes = 1;
   using AccShapeKV = Shape<Int<kBlockN>, Int<kHeadDim>>;  // the dK and dV accumulators: (keys, H)
   static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
 
@@ -164,6 +169,9 @@ struct BwdTraitsSplitHead : BwdTraitsBase<Element_, kHeadDim_, 64, 64> {
   using typename Base::SmemAtom;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSplitHead = true;
+  // deterministic=True: every lane of the dQ accumulator (bwd_dq_order.h), since the warpgroups
+  // themselves wait for their turns here.
+  static constexpr int kDeterministicDqLanes = int(kDqLanes);
   using AccShapeKV = Shape<Int<kHeadDim>, Int<kBlockN>>;  // dKᵀ and dVᵀ: (H, keys)
   static_assert(kHeadDim % 128 == 0);
 

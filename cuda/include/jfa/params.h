@@ -29,9 +29,9 @@ inline constexpr int64_t kDqAccumTallBlock = 80;
 inline constexpr int64_t kDqSemaphoreRows = 64;
 
 // Copies ("lanes") of the dQ accumulator that the deterministic backward's workspace holds:
-// the portable ordered causal kernel's and every Hopper kernel's key tile n adds into lane
-// n % kDqLanes after the lower key tiles of its lane only, and the convert kernel sums the lanes
-// in a fixed order (sm80/dq_accum.h and sm90/bwd_dq_order.h say why; the other portable kernels
+// the portable ordered causal kernel's and the Hopper split-head kernel's (H 256) key tile n adds
+// into lane n % kDqLanes after the lower key tiles of its lane only, and the convert kernel sums
+// the lanes in a fixed order (sm80/dq_accum.h and sm90/bwd_dq_order.h say why; the other kernels
 // use one lane). jax_flashattn/primitives.py sizes both workspaces with the same constant.
 inline constexpr int64_t kDqLanes = 2;
 
