@@ -186,9 +186,9 @@ __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, St
                                                   Body&& body) {
   ss.kv_full.wait(0);
   typename Traits::PipelineState read;
-  // The step carried from one iteration to the next (BwdWalk::after) saves a division per step,
-  // but holds two more registers across the step: the dropout kernels, short of registers, measured
-  // 7 % slower with it (H 128), so they recompute it.
+  // The step carried from one iteration to the next (BwdWalk::after) saves a division per step
+  // but holds two more registers across it, which the dropout kernels, short of registers, pay for
+  // more than the division (docs/performance.md): they recompute the step.
   constexpr bool kCarryStep = (kPolicies & kPolicyDropout) == 0;
   BwdStep st = walk.step(walk.first, p.heads);
 #pragma unroll 1

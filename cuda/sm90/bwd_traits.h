@@ -105,8 +105,8 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumMmaWarpGroups, Base::kStages;
   static constexpr bool kSplitHead = false;
   // deterministic=True adds into one lane of the dQ accumulator (bwd_dq_order.h): the producer's
-  // writer warp makes the ordered adds, off the warpgroups' path, and two lanes measured slower
-  // at H 128 (more of the accumulator in L2 at once).
+  // writer warp makes the ordered adds, off the warpgroups' path, so shorter chains of turns buy
+  // little, and a second lane would keep twice the accumulator in L2.
   static constexpr int kDeterministicDqLanes = 1;
   using AccShapeKV = Shape<Int<kBlockN>, Int<kHeadDim>>;  // the dK and dV accumulators: (keys, H)
   static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
