@@ -101,7 +101,13 @@ template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int head,
                                                     int m_block) {
   const int query0 = m_block * kBlockM;
-  if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) return true;
+  // The mask's summaries only in the kernels that read a mask (the call's policy set has one
+  // whenever a mask is present): the test's code otherwise costs the others registers.
+  if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
+    if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) return true;
+  } else if (position_tile_kind(p, b.bounds, query0, kBlockM, b.key0, kBlockN) != TileKind::kFull) {
+    return true;
+  }
   if constexpr ((kPolicies & kPolicySegments) != 0)
     return segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
   return false;
