@@ -145,7 +145,7 @@ def canonicalize(q_shape, unbatched, *, is_causal=False, bias=None, mask=None,
     """(MaskConfig, Extras) for batched BTNH shapes; raises on any bad keyword. `positions`
     (internal, int32 [2] or [B, 2], non-negative, traced or not): the global positions of query
     row 0 and key 0 when the call is one block of a longer sequence; the key position must be a
-    multiple of 4 with dropout, which its callers guarantee by their block sizes."""
+    multiple of 8 with dropout, which its callers guarantee by their block sizes."""
     B, T, N, _ = q_shape
     S = k_len
     if not isinstance(is_causal, (bool, np.bool_)):

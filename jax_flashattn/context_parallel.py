@@ -626,8 +626,8 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
       kernel call is told where its first query row and key sit in the global sequence, so
       windows, ALiBi and the dropout mask are those of the single-device call (the same
       dropout_rng gives the same mask). Dropout with the ring
-      needs the devices' key chunks (S/n, or S/2n load-balanced) to be multiples of 4, as the
-      dropout stream draws 4 neighbouring keys at once; all_gather has no such limit.
+      needs the devices' key chunks (S/n, or S/2n load-balanced) to be multiples of 8, as the
+      dropout stream draws 8 neighbouring keys at once; all_gather has no such limit.
       causal_alignment: as in flash_attention, with the global valid lengths: 'bottom_right'
         places query i at key position i + kv_len - q_len for the causal mask, the window and
         ALiBi, which each call gets through its positions. Dropout draws its mask at those
@@ -675,10 +675,10 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy="ring",
             "coordinates, so they cannot also move the queries by key length - query length; "
             "use causal_alignment='top_left' or no dropout")
     key_chunk = S // 2 if balanced else S
-    if config.dropout_rate and strategy == "ring" and (balanced or n > 1) and key_chunk % 4:
+    if config.dropout_rate and strategy == "ring" and (balanced or n > 1) and key_chunk % 8:
         raise ValueError(f"context_parallel_attention: dropout_rate={config.dropout_rate} with "
-                         f"strategy='ring' needs key chunks of a multiple of 4 keys (the dropout "
-                         f"stream draws 4 neighbouring keys at once), got chunks of {key_chunk} "
+                         f"strategy='ring' needs key chunks of a multiple of 8 keys (the dropout "
+                         f"stream draws 8 neighbouring keys at once), got chunks of {key_chunk} "
                          f"(key block {key.shape}{', load-balanced' if balanced else ''}); use "
                          "strategy='all_gather' or a sequence length that divides accordingly")
     kw = _Keywords(local.q_segment_ids, local.kv_segment_ids, _pairwise(bias, "bias", query, key, n),

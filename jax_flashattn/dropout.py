@@ -2,8 +2,9 @@
 kernels' dropout mask (cuda/include/jfa/philox.h), bit for bit.
 
 The kernels never store a mask. Element (b, n, i, j) — batch, query head, query, key — is dropped
-when word (j % 4) of Philox4x32-10 at counter (j // 4, i, n, b) under key (k0, k1) is below
-floor(rate · 2^32); kept elements are scaled by 1 / (1 − rate). The mask is therefore a pure
+when its 16-bit uniform, half (j % 2) (the low half first) of word (j // 2) % 4 of Philox4x32-10 at
+counter (j // 8, i, n, b) under key (k0, k1), is below floor(rate · 2^16); kept elements are
+scaled by 1 / (1 − rate). The mask is therefore a pure
 function of the key and the coordinates: the same in the forward and backward passes, on the CPU
 and the GPU, and here, which is what the tests and the reference use.
 """
@@ -65,8 +66,8 @@ def philox4x32_10(counter, k0, k1):
 
 
 def threshold(rate: float) -> int:
-    """floor(rate · 2^32) computed in double from the float32 rate, as the kernels do."""
-    return min(int(float(np.float32(rate)) * 4294967296.0), 0xFFFFFFFF)
+    """floor(rate · 2^16) computed in double from the float32 rate, as the kernels do."""
+    return min(int(float(np.float32(rate)) * 65536.0), 0xFFFF)
 
 
 def keep_mask(rng, rate: float, shape):
@@ -74,6 +75,7 @@ def keep_mask(rng, rate: float, shape):
     B, N, T, S = shape
     k0, k1 = (int(x) for x in np.asarray(key_words(rng)))
     b, n, i, j = np.meshgrid(*(np.arange(d, dtype=np.uint32) for d in (B, N, T, S)), indexing="ij")
-    words = np.stack(philox4x32_10((j >> np.uint32(2), i, n, b), k0, k1))  # [4, B, N, T, S]
-    word = np.take_along_axis(words, (j & np.uint32(3))[None].astype(np.int64), axis=0)[0]
-    return word >= np.uint32(threshold(rate))
+    words = np.stack(philox4x32_10((j >> np.uint32(3), i, n, b), k0, k1))  # [4, B, N, T, S]
+    word = np.take_along_axis(words, ((j >> np.uint32(1)) & np.uint32(3))[None].astype(np.int64), axis=0)[0]
+    uniform = (word >> (np.uint32(16) * (j & np.uint32(1)))) & np.uint32(0xFFFF)
+    return uniform >= np.uint32(threshold(rate))

@@ -27,7 +27,7 @@ def _kernel_keep_mask(rng, rate, B, N, T, S, **kw):
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_kernel_mask_is_the_numpy_philox_mask_bit_for_bit(rate):
     rng = jax.random.key(fresh_seed())
-    B, N, T, S = 2, 3, 70, 67   # more than one tile of queries; S not a multiple of 4
+    B, N, T, S = 2, 3, 70, 67   # more than one tile of queries; S not a multiple of 8
     kept = _kernel_keep_mask(rng, rate, B, N, T, S)
     np.testing.assert_array_equal(kept, dropout.keep_mask(rng, rate, (B, N, T, S)))
 

@@ -14,7 +14,7 @@ from jax_flashattn import _options
 from jax_flashattn.autodiff import attention
 from util import fresh_seed, random_qkv, rel_err
 
-# The whole sequence; the block's query rows and keys (the key start a multiple of 4, as dropout
+# The whole sequence; the block's query rows and keys (the key start a multiple of 8, as dropout
 # needs).
 B, T_ALL, N, K, H = 2, 300, 4, 2, 64
 ROWS, KEYS = (67, 167), (120, 212)

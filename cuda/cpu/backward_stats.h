@@ -12,7 +12,7 @@
 namespace jfa::cpu {
 
 constexpr int kBr = 64;  // query rows per tile
-constexpr int kBc = 64;  // keys per tile (a multiple of 4: dropout draws four keys per Philox call)
+constexpr int kBc = 64;  // keys per tile (a multiple of 8: dropout draws eight keys per Philox call)
 static_assert(kMaskChunkKeys % kBc == 0, "a key tile must lie inside one chunk of the packed mask");
 
 // Per-row softmax statistics of the forward pass, packed [B][N][T] so tiles read them contiguously.

@@ -143,15 +143,15 @@ void apply_dropout(const AttentionParams& p, const TileCoords& t, float* probs, 
   const int64_t query0 = p.mask.query_position0(t.b), key0 = p.mask.key_position0(t.b);
   for (int r = 0; r < t.rows; ++r) {
     const auto i = static_cast<uint32_t>(query0 + t.i0 + r);
-    for (int c = 0; c < t.cols; c += 4) {
-      // One Philox call gives the words of four neighbouring keys (tiles start at multiples of 4,
+    for (int c = 0; c < t.cols; c += static_cast<int>(kDropoutKeysPerCall)) {
+      // One Philox call gives the uniforms of 8 neighbouring keys (tiles start at multiples of 8,
       // and so does key0).
       const auto j = static_cast<uint32_t>(key0 + t.j0 + c);
-      const Philox4 words = philox4x32_10(Philox4{{j >> 2, i, n, seed[2]}}, seed[0], seed[1]);
-      for (int w = 0; w < 4 && c + w < t.cols; ++w) {
+      const Philox4 words = philox4x32_10(Philox4{{j >> 3, i, n, seed[2]}}, seed[0], seed[1]);
+      for (int w = 0; w < static_cast<int>(kDropoutKeysPerCall) && c + w < t.cols; ++w) {
         float& x = transposed ? probs[static_cast<int64_t>(c + w) * ld + r]
                               : probs[static_cast<int64_t>(r) * ld + c + w];
-        x = words.x[(j + w) & 3u] < threshold ? 0.f : x * keep_scale;
+        x = dropout_half(words, j + w) < threshold ? 0.f : x * keep_scale;
       }
     }
   }

@@ -102,8 +102,8 @@ ffi::Error decode_mask(const Call& x, AttentionParams* p) {
 inline ffi::Error check_positions_on_host(const AttentionParams& p) {
   const int32_t* x = p.mask.positions;
   for (int64_t b = 0; x != nullptr && b < p.B; ++b)
-    if (x[2 * b] < 0 || x[2 * b + 1] < 0 || (p.mask.has_dropout() && x[2 * b + 1] % 4 != 0))
-      return invalid("positions must be non-negative, the key position a multiple of 4 with dropout; batch " +
+    if (x[2 * b] < 0 || x[2 * b + 1] < 0 || (p.mask.has_dropout() && x[2 * b + 1] % 8 != 0))
+      return invalid("positions must be non-negative, the key position a multiple of 8 with dropout; batch " +
                      std::to_string(b) + " has (" + std::to_string(x[2 * b]) + ", " + std::to_string(x[2 * b + 1]) + ")");
   return ffi::Error::Success();
 }

@@ -28,10 +28,11 @@ __forceinline__ __device__ DropoutStream dropout_stream(const AttentionParams& p
 }
 
 // Which of a thread's elements of a tile dropout keeps, one bit each (bit mi * kCols + ni of the
-// (row, col) view `coords`, tile origin (m0, n0)): the words of jfa::dropout_word, made by lane
-// pairs (jfa::dropout_words_2x2: one Philox call and two shuffles per 4 elements; a call per key
-// pair before). Rows mi, mi + 1 (mi even) are an mma fragment's rows r and r + 8, columns ni,
-// ni + 1 (ni even) its neighbouring keys. Every lane of the warp calls it together.
+// (row, col) view `coords`, tile origin (m0, n0)): jfa::dropout_uniform's, made by the quads
+// (jfa::dropout_uniforms_rows: the four calls of two 8-column blocks, one per lane, and a
+// transpose of their words). Rows mi, mi + 1 (mi even) are an mma fragment's rows r and r + 8,
+// columns ni, ni + 1 (ni even) its neighbouring keys; column pairs go two at a time, an odd last
+// one with itself. Every lane of the warp calls it together.
 template <int kRows, int kCols>
 struct KeepBits {
   uint32_t words[(kRows * kCols + 31) / 32];
@@ -48,18 +49,25 @@ __forceinline__ __device__ auto dropout_keep_bits(const DropoutStream& d, int n,
   KeepBits<kRows, kCols> keep;
   CUTE_UNROLL
   for (int i = 0; i < (kRows * kCols + 31) / 32; ++i) keep.words[i] = 0u;
+  auto set = [&](int mi, int ni, uint32_t pair) {  // the keep bits of (mi, ni) and (mi, ni + 1)
+    const int at = mi * kCols + ni;
+    keep.words[at / 32] |= pair << (at % 32);
+  };
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; mi += 2) {
     CUTE_UNROLL
-    for (int ni = 0; ni < kCols; ni += 2) {
-      const int key = n0 + get<1>(coords(mi, ni));
-      const int query = m0 + get<0>(coords((key & 2) ? mi + 1 : mi, ni));  // the row this lane draws
-      const uint4 w = dropout_words_2x2(d.k0, d.k1, d.batch, uint32_t(n), d.query0 + uint32_t(query),
-                                        d.key0 + uint32_t(key));
-      const uint32_t word[4] = {w.x, w.y, w.z, w.w};
-      const int at[4] = {mi * kCols + ni, mi * kCols + ni + 1, (mi + 1) * kCols + ni, (mi + 1) * kCols + ni + 1};
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) keep.words[at[e] / 32] |= uint32_t(word[e] >= d.threshold) << (at[e] % 32);
+    for (int ni = 0; ni < kCols; ni += 4) {
+      const int nb = ni + 2 < kCols ? ni + 2 : ni;
+      const uint4 u = dropout_uniforms_rows(d.k0, d.k1, d.batch, uint32_t(n), d.query0 + uint32_t(m0 + get<0>(coords(mi, ni))),
+                                            d.query0 + uint32_t(m0 + get<0>(coords(mi + 1, ni))),
+                                            d.key0 + uint32_t(n0 + get<1>(coords(mi, ni))),
+                                            d.key0 + uint32_t(n0 + get<1>(coords(mi, nb))));
+      set(mi, ni, dropout_keep_pair(u.x, d.threshold));
+      set(mi + 1, ni, dropout_keep_pair(u.y, d.threshold));
+      if (nb != ni) {
+        set(mi, nb, dropout_keep_pair(u.z, d.threshold));
+        set(mi + 1, nb, dropout_keep_pair(u.w, d.threshold));
+      }
     }
   }
   return keep;

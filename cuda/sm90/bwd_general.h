@@ -2,7 +2,7 @@
 // valid lengths, segment ids, the boolean mask), score modifiers (soft-capping, bias, ALiBi) and
 // dropout, with the gradients they add: d(bias) and d(ALiBi slopes). The semantics are those of
 // every other path: jfa::visible and jfa::additive_bias (jfa/mask.h, jfa/score_mod.h), soft-capping
-// as the Hopper forward computes it (mask_policies.h, fast_tanh), and jfa::dropout_word's stream
+// as the Hopper forward computes it (mask_policies.h, fast_tanh), and jfa::dropout_uniform's stream
 // (dropout.h).
 //
 // Per key block: the query blocks that may see it (query_range, narrowed by the segment
@@ -113,29 +113,13 @@ __forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, co
   return false;
 }
 
-// The dropout words of a thread's 2 x 2 elements at columns (c, c + 1) of its (rows, cols) view, in
-// the order (row 0, c), (row 0, c + 1), (row 1, c), (row 1, c + 1). Queries in columns: the
-// transposed layout (dropout_words_2x2_transposed); in rows: the forward's (jfa::dropout_words_2x2,
-// the lane of its pair that draws row 0's query or row 1's).
-template <bool kQueriesInColumns, typename Coords>
-__forceinline__ __device__ uint4 bwd_dropout_words(const BwdGeneralBlock& b, int head, int query0, Coords const& coords,
-                                                   int c) {
-  if constexpr (kQueriesInColumns) {
-    return dropout_words_2x2_transposed(b.k0, b.k1, b.stream_batch, uint32_t(head),
-                                        b.stream_query0 + uint32_t(query0 + get<1>(coords(0, c))),
-                                        b.stream_key0 + uint32_t(b.key0 + get<0>(coords(0, c))));
-  } else {
-    const int drawn = threadIdx.x & 1;
-    return dropout_words_2x2(b.k0, b.k1, b.stream_batch, uint32_t(head),
-                             b.stream_query0 + uint32_t(query0 + get<0>(coords(drawn, c))),
-                             b.stream_key0 + uint32_t(b.key0 + get<1>(coords(0, c))));
-  }
-}
-
 // Dropout's keep bits of a thread's elements of one step, bit 2c + e for element e of column pair
-// c (in the order of bwd_dropout_words). The mainloops make the next step's while the current
-// step's last GEMM runs, when the score and dP accumulators are dead: made in the element pass,
-// the Philox calls' registers would spill the dK and dV accumulators.
+// c: (row 0, c), (row 0, c + 1), (row 1, c), (row 1, c + 1). Queries in columns: the transposed
+// layout (jfa::dropout_uniforms_transposed); in rows: the forward's (jfa::dropout_uniforms_rows).
+// Column pairs go two at a time (the calls' exchange); an odd last pair goes with itself. The
+// mainloops make the next step's while the current step's last GEMM runs, when the score and dP
+// accumulators are dead: made in the element pass, the Philox calls' registers would spill the
+// dK and dV accumulators.
 template <int kCols>
 struct BwdKeepBits {
   uint32_t bits[(2 * kCols + 31) / 32];
@@ -146,13 +130,28 @@ template <bool kQueriesInColumns, typename Coords>
 __forceinline__ __device__ BwdKeepBits<decltype(size<1>(std::declval<Coords>()))::value> bwd_keep_bits(
     const BwdGeneralBlock& b, int head, int m_block, int block_m, Coords const& coords) {
   constexpr int kCols = decltype(size<1>(coords))::value;
+  static_assert(kCols % 2 == 0);
+  const uint32_t query0 = b.stream_query0 + uint32_t(m_block * block_m), key0 = b.stream_key0 + uint32_t(b.key0);
   BwdKeepBits<kCols> keep{};
   CUTE_UNROLL
-  for (int c = 0; c < kCols; c += 2) {
-    const uint4 w = bwd_dropout_words<kQueriesInColumns>(b, head, m_block * block_m, coords, c);
-    const uint32_t bits = uint32_t(w.x >= b.threshold) | uint32_t(w.y >= b.threshold) << 1 |
-                          uint32_t(w.z >= b.threshold) << 2 | uint32_t(w.w >= b.threshold) << 3;
-    keep.bits[(2 * c) / 32] |= bits << ((2 * c) % 32);
+  for (int c = 0; c < kCols; c += 4) {
+    const int cb = c + 2 < kCols ? c + 2 : c;
+    uint4 u;
+    if constexpr (kQueriesInColumns) {
+      u = dropout_uniforms_transposed(b.k0, b.k1, b.stream_batch, uint32_t(head), query0 + uint32_t(get<1>(coords(0, c))),
+                                      query0 + uint32_t(get<1>(coords(0, cb))), key0 + uint32_t(get<0>(coords(0, c))));
+    } else {
+      u = dropout_uniforms_rows(b.k0, b.k1, b.stream_batch, uint32_t(head), query0 + uint32_t(get<0>(coords(0, c))),
+                                query0 + uint32_t(get<0>(coords(1, c))), key0 + uint32_t(get<1>(coords(0, c))),
+                                key0 + uint32_t(get<1>(coords(0, cb))));
+    }
+    // u: (row 0, c), (row 1, c), (row 0, cb), (row 1, cb), two columns each.
+    const uint32_t pair_a = dropout_keep_pair(u.x, b.threshold) | dropout_keep_pair(u.y, b.threshold) << 2;
+    keep.bits[(2 * c) / 32] |= pair_a << ((2 * c) % 32);
+    if (cb != c) {
+      const uint32_t pair_b = dropout_keep_pair(u.z, b.threshold) | dropout_keep_pair(u.w, b.threshold) << 2;
+      keep.bits[(2 * cb) / 32] |= pair_b << ((2 * cb) % 32);
+    }
   }
   return keep;
 }

@@ -250,7 +250,7 @@ static Ref reference(const Config& c, const Tensor4& q, const Tensor4& k, const 
           x -= double(fm.alibi_slopes[b * fm.alibi_batch_stride + n]) * std::fabs(double(t + sb.offset - s));
         if (fm.dropout_rate > 0.f) {
           const uint32_t* seed = fm.dropout_seeds + 3 * b;
-          const uint32_t w = jfa::dropout_word(seed[0], seed[1], seed[2], n, t, s);
+          const uint32_t w = jfa::dropout_uniform(seed[0], seed[1], seed[2], n, t, s);
           z[s] = w < jfa::dropout_threshold(fm.dropout_rate) ? 0.0 : keep_scale;
         }
         p[s] = x;

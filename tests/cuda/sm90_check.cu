@@ -306,7 +306,7 @@ static void run_case(const Config& c, std::mt19937& rng) {
         const uint32_t* seed = ph.mask.dropout_seeds + 3 * b;
         const uint32_t threshold = jfa::dropout_threshold(ph.mask.dropout_rate);
         for (int j = 0; j < smax; ++j) {
-          const bool dropped = jfa::dropout_word(seed[0], seed[1], seed[2], n, t, j) < threshold;
+          const bool dropped = jfa::dropout_uniform(seed[0], seed[1], seed[2], n, t, j) < threshold;
           s[j] = dropped ? 0.0 : s[j] / (1.0 - ph.mask.dropout_rate);
         }
       }

@@ -221,10 +221,13 @@ def refused(T=16, kv_T=None, **kw):
     return jax.jit(f)(q, k, v)
 
 
-def test_ring_dropout_needs_key_chunks_of_multiples_of_4():
+def test_ring_dropout_needs_key_chunks_of_multiples_of_8():
     rng = jax.random.key(0)
     with pytest.raises(ValueError, match=r"dropout_rate=0.1 .*chunks of 6 .*load-balanced"):
         refused(T=24, is_causal=True, dropout_rate=0.1, dropout_rng=rng)
+    with pytest.raises(ValueError, match=r"dropout_rate=0.1 .*chunks of 12 .*load-balanced"):
+        refused(T=48, is_causal=True, dropout_rate=0.1, dropout_rng=rng)
+    refused(T=32, is_causal=True, dropout_rate=0.1, dropout_rng=rng)  # chunks of 8
     with pytest.raises(ValueError, match=r"dropout_rate=0.1 .*chunks of 10"):
         refused(T=20, dropout_rate=0.1, dropout_rng=rng)
     # all_gather places key 0 at position 0: any chunk size works.

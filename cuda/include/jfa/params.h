@@ -141,14 +141,14 @@ struct MaskParams {
   int64_t dslope_slots = 0;
 
   // Dropout on the probabilities: element (b, n, i, j) is dropped when
-  // dropout_word(seed[b].k0, seed[b].k1, seed[b].batch, n, i, j) < dropout_threshold(rate);
+  // dropout_uniform(seed[b].k0, seed[b].k1, seed[b].batch, n, i, j) < dropout_threshold(rate);
   // kept ones are scaled by 1 / (1 - rate). dropout_seeds: uint32 [B, 3] = (k0, k1, batch).
   float dropout_rate = 0.f;
   const uint32_t* dropout_seeds = nullptr;
 
   // Where this call's rows sit in a longer sequence, for a call on one block of it (context
   // parallelism, sequence sharding): int32 [B, 2] = (position of query row 0, position of key 0)
-  // per batch element, non-negative, the key position a multiple of 4 (dropout draws 4
+  // per batch element, non-negative, the key position a multiple of 8 (dropout draws 8
   // neighbouring keys per Philox call). Causality, windows and ALiBi see row i at position 0 + i
   // and key j at position 1 + j, and so does the dropout stream. Null: (0, 0). Device memory for
   // the CUDA kernels.
