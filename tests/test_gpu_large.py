@@ -4,7 +4,7 @@ sequences short, so that the last batch element lies wholly past element 2^31 of
 the attention itself stays cheap; the first and the last batch elements are checked against the
 float32 reference (a 32-bit offset would wrap there: a fault or another element's values).
 
-About 45 GB of GPU memory; skipped on smaller GPUs."""
+About 42 GiB of GPU memory (JAX's peak, both paths); skipped where JAX may use less than 48 GiB."""
 from __future__ import annotations
 
 import jax
@@ -17,7 +17,7 @@ from util import BOUNDS, fresh_seed, reference_with_grads, rel_err
 pytestmark = pytest.mark.gpu
 
 B, T, N, H = 32769, 256, 2, 128  # 2^31 + 2^16 elements per operand; batch element 32768 starts at 2^31
-NEEDED_BYTES = 60 * 2**30
+NEEDED_BYTES = 48 * 2**30  # the peak (about 42 GiB) and a margin: an 80 GB GPU (59 GiB for JAX) runs it
 
 
 def _memory_limit() -> int:
