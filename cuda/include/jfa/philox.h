@@ -72,15 +72,16 @@ JFA_HOST_DEVICE uint32_t dropout_uniform(uint32_t k0, uint32_t k1, uint32_t batc
 }
 
 #ifdef __CUDACC__
-// Moves the element of slot i ^ bit into slot i for the slots i whose `bit` differs from the
-// lane's own bit, with the partner lane (lane ^ lane_bit) doing the opposite: one stage of the
-// butterfly transposes below, over words (slots 2 i and 2 i + 1 of a word pair (lo, hi)).
+// One stage of the butterfly transposes below, over a pair of word slots (lo, hi): the slot whose
+// bit differs from the lane's own bit (hi when own_bit is 0) is sent to the partner lane
+// (lane ^ lane_bit) and replaced by the partner's slot of the other bit.
 __device__ __forceinline__ void dropout_swap_words(uint32_t& lo, uint32_t& hi, bool own_bit, int lane_bit) {
   const uint32_t got = __shfl_xor_sync(0xffffffffu, own_bit ? lo : hi, lane_bit);
   if (own_bit) lo = got; else hi = got;
 }
 
-// The same stage over the halves of two words (the four slots 2 m + 1 − own_bit of words m = a, b).
+// The same stage over the halves of two words a and b: each word's half that differs from own_bit
+// (the high half when own_bit is 0) goes to the partner, replaced by the partner's other half.
 __device__ __forceinline__ void dropout_swap_halves(uint32_t& a, uint32_t& b, bool own_bit, int lane_bit) {
   const uint32_t sent = __byte_perm(a, b, own_bit ? 0x5410u : 0x7632u);  // the halves that leave
   const uint32_t got = __shfl_xor_sync(0xffffffffu, sent, lane_bit);
