@@ -48,7 +48,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
         Differentiable (learned slopes): d(slope) = -Σ d(logit) · |pos_q - pos_k|.
       dropout_rate: static float in [0, 1): dropout on the attention probabilities, with
         dropout_rng (a JAX PRNG key, may be traced). The mask is a pure function of the key and
-        the (batch, head, query, key) coordinates (jax_flashattn.dropout), never stored.
+        the (batch, head, query, key) coordinates (jax_flashattn.dropout), never stored; an
+        element is dropped with probability floor(rate · 2^16) / 2^16 (16-bit uniforms), kept
+        ones are scaled by 1 / (1 - rate).
       deterministic: require bitwise reproducible gradients (the CPU backward always is).
 
     Returns:
