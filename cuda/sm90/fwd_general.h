@@ -39,6 +39,10 @@ struct FwdGeneralTile {
   float prefix_slope;    // ALiBi's slope in raw-score units, for the tensor cores' prefix
   bool alibi_prefix;     // this tile's ALiBi runs on the tensor cores
   bool alibi_in_scores;  // what apply_policy is told of the loop's scores
+  // The boolean mask's words of this thread's rows for the block at hand (load_mask_words), where
+  // a block's keys lie in one chunk of the packed mask (one word per row).
+  static constexpr bool kMaskWords = (kPolicies & kPolicyBoolMask) != 0 && kMaskChunkKeys % kBlockN == 0;
+  uint32_t mask_words[kRows];
 
   __forceinline__ __device__ FwdGeneralTile(const AttentionParams& p, const TileCoord& t, int m0_)
       : batch(t.batch), head(t.head), m0(m0_), summaries(fwd_tile_summaries<Traits, kPolicies>(p, t)) {
@@ -72,19 +76,39 @@ struct FwdGeneralTile {
     return needs;
   }
 
+  // Block n_block's mask words, loaded while its Q·Kᵀ runs: loaded in the element pass, their
+  // latency (the mask is read once per tile, so from HBM or L2) stood between that GEMM and the
+  // softmax of every block the mask cuts.
+  template <typename Coords>
+  __forceinline__ __device__ void load_mask_words(const AttentionParams& p, Coords const& coords, int n_block,
+                                                  int block_needs) {
+    if constexpr (kMaskWords) {
+      if (block_needs & kNeedsMask) {
+        const int lane_pair = get<1>(coords(0, 0));  // 2 · quad lane: the thread's first column
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int i = min(m0 + get<0>(coords(r, 0)), int(p.T) - 1);
+          mask_words[r] = mask_block_word(p.mask.packed_mask.row(batch, head, i), n_block * kBlockN, lane_pair);
+        }
+      }
+    }
+  }
+
   // Block n_block's scores with its masks and modifiers applied, in the units the softmax multiplies
   // by policy_logit_scale, and its per-row shifts. `alibi_in` whether the scores hold ALiBi's prefix.
   template <typename Scores, typename Coords, typename Coords0>
   __forceinline__ __device__ void scores(Scores& s, Coords const& coords, Coords0 const& coords0, const AttentionParams& p,
                                          int n_block, int block_needs, bool alibi_in, float (&shift)[kRows]) const {
     const int n0 = n_block * kBlockN;
+    const uint32_t* words = kMaskWords ? mask_words : nullptr;
     if (score_mods && !alibi_in) {
-      apply_policy<kPolicies>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs, shift);
+      apply_policy<kPolicies>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs, shift, false, words);
     } else if (block_needs != 0) {
       if (alibi_in)
-        apply_policy<kPolicies>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs, shift, true);
+        apply_policy<kPolicies>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs, shift, true, words);
       else
-        apply_policy<kPolicies & ~kScoreMods>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs, shift);
+        apply_policy<kPolicies & ~kScoreMods>(s, coords, coords0, p, rows, batch, head, m0, n0, kBlockN, block_needs,
+                                              shift, false, words);
     } else {
       const float uniform = alibi_in && score_mods ? alibi_shift(prefix_slope, rows, n0) : 0.f;
       CUTE_UNROLL

@@ -187,6 +187,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
   gemm</*zero_init=*/true, /*wait=*/-1>(f.mma_qk, f.tSrQ, f.tSrK(_, _, _, read.index()), tSrS);
   if constexpr (kGeneral) general.read_rows(p.attn, f.cS_rc);
   int needs = kGeneral ? general.needs(p.attn, n) : 0;
+  if constexpr (kGeneral) general.load_mask_words(p.attn, f.cS_rc, n, needs);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   pipeline_k.consumer_release(read);
@@ -213,6 +214,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
     gemm</*zero_init=*/false, /*wait=*/-1>(f.mma_pv, tOrP, f.tOrV(_, _, _, read_v.index()), tOrO);
     sched_arrive();
     needs = kGeneral ? general.needs(p.attn, n) : 0;
+    if constexpr (kGeneral) general.load_mask_words(p.attn, f.cS_rc, n, needs);
     next_n = fwd_prev_block<Traits, kPolicies>(general.summaries, work, n);
     warpgroup_wait<1>();  // S is ready; P·V still running
     pipeline_k.consumer_release(read);

@@ -224,18 +224,33 @@ __forceinline__ __device__ int block_needs(const AttentionParams& p, const TileR
 // in a block inside one chunk of 128 keys (64 or 128 keys) the thread's columns are then bits
 // shift + 2a + e of its word w, one load per row; blocks that straddle chunks (112 or 176 keys)
 // test each element through mask_row_has_key.
+template <typename Scores>
+constexpr bool mask_block_in_one_word() {
+  return kMaskChunkKeys % (4 * decltype(size<1>(std::declval<Scores>()))::value) == 0;  // two columns per 8 keys
+}
+
+// The word of row `bits` that holds a thread's columns of the key block at n0 (one chunk), for
+// hide_masked_word. `column`: one of the thread's columns counted from n0 or from the block's
+// chunk (those of quad lane w are 8a + 2w and 8a + 2w + 1: word w).
+__forceinline__ __device__ uint32_t mask_block_word(const uint32_t* bits, int n0, int column) {
+  return __ldg(bits + (((n0 >> 7) << 2) | ((column >> 1) & 3)));
+}
+
+template <typename Scores, typename Coords0>
+__forceinline__ __device__ void hide_masked_word(Scores& scores, Coords0 const& coords0, uint32_t word, int r, int n0) {
+  const int shift = (n0 & 127) >> 2;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(scores); ++c) {
+    const int c0 = get<1>(coords0(r, c));
+    if (((word >> (shift + ((c0 >> 2) & 30) + (c0 & 1))) & 1u) == 0) scores(r, c) = -INFINITY;
+  }
+}
+
 template <typename Scores, typename Coords0>
 __forceinline__ __device__ void hide_masked(Scores& scores, Coords0 const& coords0, const uint32_t* bits, int r, int n0,
                                             int col_shift, int last_key) {
-  constexpr int kBlockKeys = 4 * decltype(size<1>(scores))::value;  // two columns per 8 keys
-  if constexpr (kMaskChunkKeys % kBlockKeys == 0) {
-    const uint32_t word = bits[((n0 >> 7) << 2) | ((col_shift >> 1) & 3)];
-    const int shift = (n0 & 127) >> 2;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(scores); ++c) {
-      const int c0 = get<1>(coords0(r, c));
-      if (((word >> (shift + ((c0 >> 2) & 30) + (c0 & 1))) & 1u) == 0) scores(r, c) = -INFINITY;
-    }
+  if constexpr (mask_block_in_one_word<Scores>()) {
+    hide_masked_word(scores, coords0, mask_block_word(bits, n0, col_shift), r, n0);
   } else {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c)
@@ -278,7 +293,7 @@ template <int kPolicies, int kRows, typename Scores, typename Coords, typename C
 __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coords, Coords0 const& coords0,
                                              const AttentionParams& p, const TileRows<kRows>& rows, int batch,
                                              int head, int m0, int n0, int bn, int needs, float (&shift)[kRows],
-                                             bool alibi_in_scores = false) {
+                                             bool alibi_in_scores = false, const uint32_t* mask_words = nullptr) {
   const MaskParams& m = p.mask;
   constexpr bool kScore = kPolicies & kPolicyScore, kAlibi = kPolicies & kPolicyAlibi;
   constexpr bool kSegments = kPolicies & kPolicySegments, kBoolMask = kPolicies & kPolicyBoolMask;
@@ -391,7 +406,14 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
       for (int c = 0; c < size<1>(scores); ++c)
         if (((same_segment[r] >> c) & 1u) == 0) scores(r, c) = -INFINITY;
     }
-    if (kBoolMask && (needs & kNeedsMask)) hide_masked(scores, coords0, m.packed_mask.row(batch, head, i), r, n0, col_shift, last_key);
+    if (kBoolMask && (needs & kNeedsMask)) {
+      // The words the caller loaded under the block's GEMM (FwdGeneralTile::load_mask_words), or
+      // a load here.
+      if (mask_block_in_one_word<Scores>() && mask_words != nullptr)
+        hide_masked_word(scores, coords0, mask_words[r], r, n0);
+      else
+        hide_masked(scores, coords0, m.packed_mask.row(batch, head, i), r, n0, col_shift, last_key);
+    }
   }
 }
 

@@ -374,10 +374,13 @@ static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
 // beside plain causal at T is then the masks' alone, not that of shorter rows. kQuarterWideWindow is
 // the general kernel's own cost on those rows (a window that hides nothing, on T / 4), and
 // kQuarterOneSegment the segment-id kernel's (one segment per sequence, on T / 4): beside
-// kSegments, what packing four sequences into one row costs.
+// kSegments, what packing four sequences into one row costs. kCausalMask and kRandomMask are boolean
+// masks as jax_flashattn packs them, on a call that is not causal: the causal triangle (beside
+// is_causal, the cost of getting it as a tensor) and a random half of the pairs (every tile partial;
+// about as many useful FLOPs as plain causal).
 enum class BenchMask {
   kNone, kWindow, kAlibi, kSegments, kSoftcap, kWideWindow, kQuarterCausal, kDropout, kQuarterWideWindow,
-  kQuarterOneSegment, kDeterministic
+  kQuarterOneSegment, kDeterministic, kCausalMask, kRandomMask
 };
 static const char* bench_mask_name(BenchMask m) {
   switch (m) {
@@ -392,6 +395,8 @@ static const char* bench_mask_name(BenchMask m) {
     case BenchMask::kQuarterOneSegment: return "segments(1 x T)(T/4)";
     case BenchMask::kDropout: return "dropout(0.1)";
     case BenchMask::kDeterministic: return "deterministic";  // no mask: the backward's ordered dQ adds
+    case BenchMask::kCausalMask: return "causal as a packed mask";  // the causal triangle as bits
+    case BenchMask::kRandomMask: return "random packed mask (p 0.5)";  // every tile partial
   }
   return "?";
 }
@@ -417,6 +422,22 @@ struct BenchProblem {
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.is_causal = causal;
     p.tile_counter = std::getenv("JFA_STATIC_SCHEDULE") ? nullptr : tile_counter();
+    // Boolean masks, shared by the batch and the heads, packed as jax_flashattn packs them; the
+    // call itself is not causal (the causal mask comes as the tensor).
+    const bool bool_mask = bm == BenchMask::kCausalMask || bm == BenchMask::kRandomMask;
+    double mask_pairs = 0;
+    if (bool_mask) {
+      p.is_causal = false;
+      std::vector<uint8_t> dense(size_t(T) * T);
+      std::mt19937 mask_rng(7);
+      for (int i = 0; i < T; ++i)
+        for (int j = 0; j < T; ++j) {
+          const bool v = bm == BenchMask::kCausalMask ? j <= i : (mask_rng() & 1u) != 0;
+          dense[size_t(i) * T + j] = v;
+          mask_pairs += v;
+        }
+      masks.mask = pack_mask_host(dense, 1, T, T);
+    }
     if (bm == BenchMask::kWindow) masks.host.window_left = 2048;
     if (bm == BenchMask::kWideWindow || bm == BenchMask::kQuarterWideWindow) masks.host.window_left = T;
     if (bm == BenchMask::kSoftcap) masks.host.softcap = 30.f;
@@ -443,6 +464,7 @@ struct BenchProblem {
         }
         pairs += double(std::max<int64_t>(hi - lo, 0));
       }
+      if (bool_mask) pairs = mask_pairs;
     }
     if (bm != BenchMask::kNone && bm != BenchMask::kDeterministic) {
       const double plain_pairs = causal ? 0.5 * double(T_full) * (T_full + 1) : double(T_full) * T_full;
@@ -456,6 +478,8 @@ struct BenchProblem {
         for (int i = 0; i < T; ++i) masks.q_seg.push_back(bm == BenchMask::kSegments ? i / (T / 4) : 0);
     masks.kv_seg = masks.q_seg;
     p.mask = masks.host;
+    if (bool_mask)
+      p.mask.packed_mask = packed_mask_view(masks.upload(masks.mask.bits), masks.upload(masks.mask.tiles), T, T);
     p.mask.alibi_slopes = masks.upload(masks.slopes);
     p.mask.q_segment_ids = masks.upload(masks.q_seg);
     p.mask.kv_segment_ids = masks.upload(masks.kv_seg);
@@ -589,7 +613,8 @@ static void bench_masks(DType dt, int H, int T, int N, int rounds, bool backward
   std::vector<std::unique_ptr<BenchProblem>> probs;
   std::vector<BenchMask> masks = {BenchMask::kNone, BenchMask::kQuarterCausal, BenchMask::kQuarterWideWindow,
                                   BenchMask::kQuarterOneSegment, BenchMask::kWideWindow, BenchMask::kWindow,
-                                  BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout};
+                                  BenchMask::kAlibi, BenchMask::kSegments, BenchMask::kSoftcap, BenchMask::kDropout,
+                                  BenchMask::kCausalMask, BenchMask::kRandomMask};
   if (only_ordered) masks = {BenchMask::kNone};
   if (backward) masks.push_back(BenchMask::kDeterministic);
   for (BenchMask m : masks) probs.push_back(std::make_unique<BenchProblem>(dt, H, 1, T, N, causal, m));
