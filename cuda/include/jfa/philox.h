@@ -112,8 +112,8 @@ __device__ __forceinline__ uint4 dropout_uniforms_rows(uint32_t k0, uint32_t k1,
 
 // The uniforms of the 8 elements a thread holds in two 8-column blocks A and B of a transposed
 // wgmma accumulator (the backward's Sᵀ: keys as rows, queries as columns): keys `key` and key + 8
-// (rows; key % 8 = rr = lane / 4 % 8) and queries q and q + 1 of each block (q = query_a or
-// query_b, even). The 8 lanes of one lane % 4 hold the same queries and all 16 keys, which take
+// (rows; the key's place rr in its group of 8 is bits 2..4 of the lane) and queries q and q + 1 of
+// each block (q = query_a or query_b, even). The 8 lanes of one lane % 4 hold the same queries and all 16 keys, which take
 // 8 calls (2 key groups x 2 queries x 2 blocks): lane rr makes call rr, and a transpose of 8 x 8
 // halves (three butterfly stages) hands every lane half rr of each. Returns (key, A), (key + 8, A),
 // (key, B), (key + 8, B), each word holding the uniforms of queries q (low half) and q + 1.
