@@ -19,6 +19,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from . import batching as _batching  # noqa: F401  (registers the vmap rules)
 from . import sharding as _sharding  # noqa: F401  (registers the partitioned lowerings)
 from . import _sparse_sharding  # noqa: F401  (registers the sparse primitives' partitioned lowerings)
+from . import _paged_sharding  # noqa: F401  (registers the paged forward's partitioned lowering)
 from ._ext import build_info, export_disabled_checks
 from ._version import __version__
 from .attention import flash_attention

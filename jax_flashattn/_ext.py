@@ -64,6 +64,12 @@ def cuda_accum_cols(head_dim: int) -> int:
     return int(_lib.cuda_accum_cols(int(head_dim)))
 
 
+def cuda_paged_page_rows(head_dim: int) -> int:
+    """Page sizes (multiples of the result) whose paged caches the Hopper forward reads in place
+    at head_dim, or 0 where no Hopper kernel runs it (or the build has none)."""
+    return int(_lib.cuda_paged_page_rows(int(head_dim)))
+
+
 def build_info() -> dict:
     return {
         "cpu": True,

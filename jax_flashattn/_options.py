@@ -6,8 +6,9 @@ the shapes) and canonicalized into what the primitives take:
   * Extras — the array operands, in the kernels' order, batched [B, ...]: bias (float32, rank 4,
     broadcast axes kept at size 1), mask (bool, likewise) or a PackedMask's bits and tiles (uint32
     and uint8, rank 4, B and N kept at size 1 where broadcast), query/key lengths (int32 [B]),
-    segment ids (int32 [B, T], [B, S]), ALiBi slopes (float32 [1 or B, N]) and the dropout seeds
-    (uint32 [B, 3]); None where absent.
+    segment ids (int32 [B, T], [B, S]), ALiBi slopes (float32 [1 or B, N]), the dropout seeds
+    (uint32 [B, 3]), block positions (int32 [B, 2]) and a paged cache's block table (int32 [B,
+    max_pages]); None where absent.
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class Extras(NamedTuple):
     # int32 [B, 2]: where query row 0 and key 0 sit in a longer sequence, for a call on one block
     # of it (context parallelism, sequence sharding; jfa::MaskParams::positions).
     positions: Optional[jax.Array] = None
+    # int32 [B, max_pages]: the pages of each sequence when k and v are page pools [num_pages,
+    # page_size, K, H] (paged_attention's in-place forward only; jfa::PagedKV).
+    block_table: Optional[jax.Array] = None
 
     def present(self):
         return [name for name, x in zip(self._fields, self) if x is not None]

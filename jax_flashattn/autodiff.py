@@ -36,7 +36,7 @@ def named_residuals(o, lse):
 
 
 def extra_operands(bias, rest):
-    """The eight extra operands in order, with rank-0 placeholders where absent."""
+    """The extra operands in Extras order, with rank-0 placeholders where absent."""
     extras = (bias,) + tuple(rest)
     return [jnp.zeros((), _PLACEHOLDER) if x is None else x for x in extras]
 
@@ -103,18 +103,7 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
         out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
         lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
         return out, lse  # gradients of q, k, v (and bias) are zeros: nothing here depends on them
-    if scale < 0:
-        # The GPU kernels take the running max over the raw q·k and scale it afterwards, so with a
-        # negative scale they would stabilise by the smallest logit instead of the largest (and
-        # overflow past ~88 nats of range). q·k·scale = (-q)·k·|scale|; JAX differentiates the
-        # negation.
-        q, scale = -q, -scale
-    elif scale == 0:
-        # Every logit is 0 before bias and ALiBi. The kernels fold the scale into their exp2 (where a
-        # masked -inf times 0 is NaN) and the GPU forward divides additive terms by it, so they get
-        # what computes the same logits exactly: q = 0 and scale 1. The gradients of q and k are 0
-        # either way. (Only an inf or NaN in q differs: 0 · inf would be NaN, 0-valued q gives 0.)
-        q, scale = jnp.zeros_like(q), 1.0
+    q, scale = kernel_scale(q, scale)
     q, k, v, extras = vary_together(q, k, v, extras)
 
     def call(q, k, v, config, extras):
@@ -128,6 +117,23 @@ def attention(q, k, v, scale, config, extras: Extras, implementation):
     return jax.lax.platform_dependent(
         q, k, v, default=lambda q, k, v: call(q, k, v, config, extras),
         cuda=lambda q, k, v: decode.split_kv_attention(q, k, v, config, extras, plan, call))
+
+
+def kernel_scale(q, scale):
+    """(q, scale) with the same logits and a positive scale, which the kernels need."""
+    if scale < 0:
+        # The GPU kernels take the running max over the raw q·k and scale it afterwards, so with a
+        # negative scale they would stabilise by the smallest logit instead of the largest (and
+        # overflow past ~88 nats of range). q·k·scale = (-q)·k·|scale|; JAX differentiates the
+        # negation.
+        return -q, -scale
+    if scale == 0:
+        # Every logit is 0 before bias and ALiBi. The kernels fold the scale into their exp2 (where a
+        # masked -inf times 0 is NaN) and the GPU forward divides additive terms by it, so they get
+        # what computes the same logits exactly: q = 0 and scale 1. The gradients of q and k are 0
+        # either way. (Only an inf or NaN in q differs: 0 · inf would be NaN, 0-valued q gives 0.)
+        return jnp.zeros_like(q), 1.0
+    return q, scale
 
 
 def like_sharding(gradient, primal):

@@ -26,7 +26,7 @@ _SHAREABLE = {Extras._fields.index(name)
               for name in ("bias", "mask", "mask_bits", "mask_tiles", "alibi_slopes")}
 
 
-def _fold(a, d, size, batch, shareable, keep_shared, batch_major):
+def fold_into_batch(a, d, size, batch, shareable, keep_shared, batch_major):
     """Operand `a` (mapped along d, or not_mapped) with the vmapped axis folded into its batch
     axis: instance-major ([size, B] merged) or, with batch_major, batch-major ([B, size] merged)."""
     if a.ndim == 0:
@@ -45,7 +45,7 @@ def _fold(a, d, size, batch, shareable, keep_shared, batch_major):
     return a.reshape((size * a.shape[1],) + a.shape[2:])
 
 
-def _unfold(size, o, batch_major):
+def unfold_batch(size, o, batch_major):
     """A folded result back to [size, B, ...] (or [B, size, ...] batch-major)."""
     if batch_major:
         return o.reshape((o.shape[0] // size, size) + o.shape[1:])
@@ -66,19 +66,19 @@ def _batch_rule(prim, num_tensors):
         for index, (a, d) in enumerate(zip(args, dims)):
             extra = index - num_tensors
             keep_shared = not (prim is attention_bwd_p and extra == 0)
-            folded.append(_fold(a, d, size, batch, extra in _SHAREABLE, keep_shared, batch_major))
+            folded.append(fold_into_batch(a, d, size, batch, extra in _SHAREABLE, keep_shared, batch_major))
         outs = prim.bind(*folded, **params)
         if prim is attention_fwd_p:
-            return [_unfold(size, o, batch_major) for o in outs], [out_dim] * len(outs)
+            return [unfold_batch(size, o, batch_major) for o in outs], [out_dim] * len(outs)
         dq, dk, dv, dbias, dslopes = outs
-        out = [_unfold(size, o, batch_major) for o in (dq, dk, dv)]
+        out = [unfold_batch(size, o, batch_major) for o in (dq, dk, dv)]
         # d(slopes) is per batch element ([B, N]) whatever the slopes' shape: it unfolds like dq.
         dslopes, slopes_dim = ((dslopes, not_mapped) if dslopes.ndim == 0
-                               else (_unfold(size, dslopes, batch_major), out_dim))
+                               else (unfold_batch(size, dslopes, batch_major), out_dim))
         bias = args[num_tensors]
         if bias.ndim == 0:
             return out + [dbias, dslopes], [out_dim] * 3 + [not_mapped, slopes_dim]
-        dbias = _unfold(size, dbias, batch_major)
+        dbias = unfold_batch(size, dbias, batch_major)
         bias_batch = bias.shape[0] if dims[num_tensors] is not_mapped else \
             jnp.moveaxis(bias, dims[num_tensors], 0).shape[1]
         if bias_batch == 1:  # the instance's bias was shared by its batch: sum its gradient

@@ -52,20 +52,22 @@ def _sm_count() -> int:
         return 132
 
 
-def chunk_counts(S):
+def chunk_counts(S, granule=128):
     """The numbers of equal key blocks (two or more) the split can cut S keys into: blocks of at
-    least _MIN_CHUNK keys, each a whole number of 128-key tiles."""
-    return [n for n in range(2, S // _MIN_CHUNK + 1) if S % n == 0 and (S // n) % 128 == 0]
+    least _MIN_CHUNK keys, each a whole number of `granule`-key pieces (the kernels' 128-key
+    tiles; a paged cache's pages, so that a block's pages are a slice of the block table)."""
+    return [n for n in range(2, S // _MIN_CHUNK + 1) if S % n == 0 and (S // n) % granule == 0]
 
 
-def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
-    """The split for this call, or None where it does not apply (module docstring)."""
+def split_plan(q_shape, k_shape, config, extras: Extras, implementation, granule=128):
+    """The split for this call, or None where it does not apply (module docstring). k_shape is
+    the [B, S, K, H] cache (a paged call's as its block table reaches); granule as chunk_counts'."""
     if implementation == "cpu" or os.environ.get("JFA_DECODE_SPLIT") == "0":
         return None
     B, T, N, _ = q_shape
     S, K, H = k_shape[1], k_shape[2], k_shape[3]
     present = set(extras.present())
-    if present - {"key_value_seq_lengths", "alibi_slopes"} or config.dropout_rate:
+    if present - {"key_value_seq_lengths", "alibi_slopes", "block_table"} or config.dropout_rate:
         return None
     if T > 1 and (config.is_causal or config.window_left >= 0 or config.window_right >= 0) \
             and not config.bottom_right:
@@ -83,7 +85,7 @@ def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
         return None
     target = _WAVES * _sm_count()
     best = 1
-    for chunks in chunk_counts(S):
+    for chunks in chunk_counts(S, granule):
         best = chunks
         if B * heads * chunks >= target:
             break
@@ -93,9 +95,13 @@ def split_plan(q_shape, k_shape, config, extras: Extras, implementation):
 
 
 def split_kv_attention(q, k, v, config, extras: Extras, plan: SplitPlan, call):
-    """(out, lse) of the call through `plan`; `call(q, k, v, config, extras)` runs one kernel call."""
+    """(out, lse) of the call through `plan`; `call(q, k, v, config, extras)` runs one kernel call.
+    With extras.block_table, k and v are page pools (paged.py): the blocks are slices of the
+    table, the pools are passed whole."""
     B, T, N, H = q.shape
-    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    table = extras.block_table
+    S = k.shape[1] if table is None else table.shape[1] * k.shape[1]
+    K, Hv = k.shape[2], v.shape[-1]
     G, P = N // K, plan.chunks
     chunk = S // P
     kv_len = extras.key_value_seq_lengths
@@ -118,32 +124,44 @@ def split_kv_attention(q, k, v, config, extras: Extras, plan: SplitPlan, call):
     slopes = extras.alibi_slopes
     if slopes is not None:
         slopes = jnp.repeat(jnp.broadcast_to(slopes, (B, N)), P, axis=0)
-    block_extras = Extras(key_value_seq_lengths=lengths, alibi_slopes=slopes, positions=positions)
+    block_table, block_k, block_v = table, k, v
+    if table is None:
+        block_k, block_v = k.reshape(B * P, chunk, K, H), v.reshape(B * P, chunk, K, Hv)
+    else:
+        block_table = table.reshape(B * P, table.shape[1] // P)
+    block_extras = Extras(key_value_seq_lengths=lengths, alibi_slopes=slopes, positions=positions,
+                          block_table=block_table)
     block_config = dataclasses.replace(block_config, bottom_right=False)
     fold_batch = lambda x: jnp.repeat(x, P, axis=0)  # noqa: E731  block p of batch b at b·P + p
-    out, lse = call(fold_batch(rows), k.reshape(B * P, chunk, K, H), v.reshape(B * P, chunk, K, Hv),
-                    block_config, block_extras)
+    out, lse = call(fold_batch(rows), block_k, block_v, block_config, block_extras)
     out = out.astype(jnp.float32).reshape(B, P, rows.shape[1], rows.shape[2], Hv)
     out, lse = merge_by_lse(out, lse.reshape(B, P, rows.shape[1], rows.shape[2]), axis=1)
     if plan.fold_heads:
         out = out.reshape(B, T, G, K, Hv).transpose(0, 1, 3, 2, 4).reshape(B, T, N, Hv)
         lse = lse.reshape(B, T, G, K).transpose(0, 1, 3, 2).reshape(B, T, N)
     if causal_tail:
-        tail_out, tail_lse = _causal_tail(q, k, v, kv_len, config, call)
+        tail_out, tail_lse = _causal_tail(q, k, v, table, kv_len, config, call)
         out, lse = merge_by_lse(jnp.stack([out, tail_out.astype(jnp.float32)], axis=1),
                                 jnp.stack([lse, tail_lse], axis=1), axis=1)
     return out.astype(q.dtype), lse
 
 
-def _causal_tail(q, k, v, kv_len, config, call):
+def _causal_tail(q, k, v, table, kv_len, config, call):
     """(out, lse) of the T queries against the last T - 1 keys of their sequence, which query t
     sees from its own position on (bottom-right causal): keys kv_len - T + 1 + i for i < T - 1,
     query t seeing key i when i < t, and none before the cache's start. One small call with that
-    mask, unfolded (each row its own position)."""
+    mask, unfolded (each row its own position), on those keys gathered (from their pages, with a
+    block table)."""
     B, T = q.shape[:2]
     index = kv_len[:, None] - (T - 1) + jnp.arange(T - 1, dtype=jnp.int32)[None]  # [B, T - 1]
-    gather = lambda x: jnp.take_along_axis(  # noqa: E731
-        x, jnp.clip(index, 0, x.shape[1] - 1)[:, :, None, None], axis=1)
+    if table is None:
+        gather = lambda x: jnp.take_along_axis(  # noqa: E731
+            x, jnp.clip(index, 0, x.shape[1] - 1)[:, :, None, None], axis=1)
+    else:
+        page_size = k.shape[1]
+        index_in = jnp.clip(index, 0, table.shape[1] * page_size - 1)
+        pages = jnp.clip(jnp.take_along_axis(table, index_in // page_size, axis=1), 0, k.shape[0] - 1)
+        gather = lambda x: x[pages, index_in % page_size]  # noqa: E731  [B, T - 1, K, H]
     mask = (jnp.arange(T)[:, None] > jnp.arange(T - 1)[None])[None] & (index >= 0)[:, None, :]  # [B, T, T - 1]
     tail_config = dataclasses.replace(config, is_causal=False, bottom_right=False)
     return call(q, gather(k), gather(v), tail_config, Extras(mask=mask[:, None]))

@@ -2,23 +2,32 @@
 
 The cache is a pool of fixed-size pages, [num_pages, page_size, K, H] for keys and for values;
 sequence b owns the pages block_table[b, 0], block_table[b, 1], ... in that order, and its first
-seq_lengths[b] rows are valid. The kernels read K/V as one contiguous [B, S, K, H] array, so this
-version gathers each sequence's pages into such a buffer (one XLA gather; rows past a sequence's
-length are zeroed in the same pass) and calls flash_attention with the lengths as
-key_value_seq_lengths. On CUDA that call takes the split-KV decoding path (decode.py) when it is
-decode-shaped. Gradients flow into query and, through the gather, into both caches.
+seq_lengths[b] rows are valid. Where the Hopper forward reads the pages in place (an sm90 GPU, a
+Hopper kernel for the head dim, page_size a multiple of 128) the call goes to the paged forward
+primitive (_paged_primitive.py), which hands the table to the kernel: its producer looks up each
+key tile's page, so the cache is never copied; decode-shaped calls take the split-KV path
+(decode.py) with each key block a slice of the table. The CPU's handler copies the pages itself
+(the same primitive). Elsewhere (other GPUs, other page sizes) each sequence's pages are gathered
+into a contiguous [B, S, K, H] buffer (one XLA gather; rows past a sequence's length zeroed in
+the same pass) for the ordinary kernels. Gradients flow into query, both caches and the ALiBi
+slopes; the backward differentiates the gathered call (recomputing its forward), since decoding,
+what the paged layout is for, needs none.
 """
 from __future__ import annotations
 
 import numbers
+import os
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _validate
-from ._explicit_sharding import take_rows, whole_axes
-from .attention import flash_attention
-from .decode import _MIN_CHUNK, chunk_counts
+from . import _ext, _options, _validate, decode
+from ._explicit_sharding import explicitly_sharded, take_rows, whole_axes
+from ._options import Extras
+from ._paged_primitive import paged_fwd_p
+from .autodiff import attention, attention_core, extra_operands, kernel_scale, vary_together
 
 
 def _fail(message, error=ValueError):
@@ -96,10 +105,105 @@ def gathered_pages(max_pages, page_size):
     """Pages per sequence in the contiguous buffer: max_pages, raised where fewer than 512 more
     (masked) rows let the split-KV path cut a length it could not cut into blocks."""
     rows = max_pages * page_size
-    padded = -(-rows // _MIN_CHUNK) * _MIN_CHUNK
-    if padded % page_size or chunk_counts(rows) or not chunk_counts(padded):
+    padded = -(-rows // decode._MIN_CHUNK) * decode._MIN_CHUNK
+    if padded % page_size or decode.chunk_counts(rows) or not decode.chunk_counts(padded):
         return max_pages
     return padded // page_size
+
+
+def _gathered(q, key_cache, value_cache, block_table, lengths, slopes, scale, config, implementation):
+    """(out, lse) with each sequence's pages gathered into a contiguous [B, S, K, H] buffer."""
+    B = q.shape[0]
+    max_pages, page_size = block_table.shape[1], key_cache.shape[1]
+    pages = gathered_pages(max_pages, page_size)
+    rows = pages * page_size
+    ids = block_table
+    if pages > max_pages:  # the extra pages lie past every length: any page id will do
+        ids = jnp.pad(ids, ((0, 0), (0, pages - max_pages)))
+    # Rows past a length may hold anything (stale or NaN rows, another sequence's pages): zeroed,
+    # since a masked probability of 0 times a NaN value would still be NaN.
+    valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
+
+    ids = whole_axes(ids, (1,))  # a sequence's pages on one device: merged with their rows below
+
+    def contiguous(cache):
+        # mode="clip" clamps the page ids inside the gather, so a traced bad id reads a real page.
+        gathered = take_rows(cache, ids, mode="clip")
+        gathered = gathered.reshape((B, rows) + cache.shape[2:])
+        return jnp.where(valid, gathered, jnp.zeros((), cache.dtype))
+
+    extras = Extras(key_value_seq_lengths=lengths, alibi_slopes=slopes)
+    return attention(q, contiguous(key_cache), contiguous(value_cache), scale, config, extras, implementation)
+
+
+def _in_place(q, key_cache, value_cache, block_table, lengths, slopes, scale, config, implementation,
+              split):
+    """(out, lse) from the paged forward primitive, through the split-KV path where `split` (the
+    CUDA branch) and the call is decode-shaped."""
+    q, scale = kernel_scale(q, scale)
+    extras = Extras(key_value_seq_lengths=lengths, alibi_slopes=slopes, block_table=block_table)
+
+    def call(q, k, v, config, extras):
+        if extras.block_table is None:  # the split's causal tail: a few rows gathered already
+            return attention_core(q, k, v, extras.bias, tuple(extras[1:]), scale, config, implementation)
+        return tuple(paged_fwd_p.bind(q, k, v, *extra_operands(extras.bias, extras[1:]), scale=scale,
+                                      config=config, implementation=implementation))
+
+    B, _, _, H = q.shape
+    page_size, K = key_cache.shape[1:3]
+    plan = None
+    if split and not explicitly_sharded(q, key_cache, value_cache):
+        plan = decode.split_plan(q.shape, (B, block_table.shape[1] * page_size, K, H), config, extras,
+                                 implementation, granule=page_size)
+    if plan is None:
+        return call(q, key_cache, value_cache, config, extras)
+    return decode.split_kv_attention(q, key_cache, value_cache, config, extras, plan, call)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _paged_core(q, key_cache, value_cache, block_table, lengths, slopes, scale, config, implementation,
+                split):
+    return _in_place(q, key_cache, value_cache, block_table, lengths, slopes, scale, config,
+                     implementation, split)
+
+
+def _paged_core_fwd(q, key_cache, value_cache, block_table, lengths, slopes, scale, config,
+                    implementation, split):
+    out = _in_place(q, key_cache, value_cache, block_table, lengths, slopes, scale, config,
+                    implementation, split)
+    return out, (q, key_cache, value_cache, block_table, lengths, slopes)
+
+
+def _paged_core_bwd(scale, config, implementation, split, residuals, cotangents):
+    q, key_cache, value_cache, block_table, lengths, slopes = residuals
+
+    def gathered(q, key_cache, value_cache, slopes):
+        return _gathered(q, key_cache, value_cache, block_table, lengths, slopes, scale, config,
+                         implementation)
+    _, vjp = jax.vjp(gathered, q, key_cache, value_cache, slopes)
+    dq, dk, dv, dslopes = vjp(tuple(cotangents))
+    return dq, dk, dv, None, None, dslopes
+
+
+_paged_core.defvjp(_paged_core_fwd, _paged_core_bwd)
+
+
+def _hopper_reads_pages(query, value_cache, page_size) -> bool:
+    """Whether the CUDA forward reads these caches in place: a Hopper GPU (the first one; the
+    handler refuses a paged call elsewhere) with the Hopper kernels allowed, a Hopper kernel for
+    the head dim, no head-dim padding, and page_size a multiple of what that kernel needs."""
+    H = query.shape[-1]
+    if not _ext.has_cuda() or value_cache.shape[-1] != H or _ext.cuda_head_dim(H) != H:
+        return False
+    if query.dtype not in (jnp.float16, jnp.bfloat16) or os.environ.get("JFA_FORCE_SM80") == "1":
+        return False
+    rows = _ext.cuda_paged_page_rows(H)
+    if rows <= 0 or page_size % rows:
+        return False
+    try:
+        return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
+    except RuntimeError:  # no GPU here: the CUDA branch is only lowered, never run
+        return False
 
 
 def paged_attention(query, key_cache, value_cache, block_table, seq_lengths, *, page_size=None,
@@ -135,27 +239,25 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lengths, *, 
         jnp.asarray(x) for x in (query, key_cache, value_cache, block_table, seq_lengths))
     num_pages, page_size, max_pages = _check(query, key_cache, value_cache, block_table,
                                              seq_lengths, page_size)
-    B = query.shape[0]
-    pages = gathered_pages(max_pages, page_size)
-    rows = pages * page_size
-    ids = block_table
-    if pages > max_pages:  # the extra pages lie past every length: any page id will do
-        ids = jnp.pad(ids, ((0, 0), (0, pages - max_pages)))
+    scale = _validate.check_scale(scale, query.shape[-1])
+    implementation = _validate.check_implementation(implementation)
+    B, T, N, _ = query.shape
     lengths = jnp.clip(seq_lengths, 0, max_pages * page_size)
-    # Rows past a length may hold anything (stale or NaN rows, another sequence's pages): zeroed,
-    # since a masked probability of 0 times a NaN value would still be NaN.
-    valid = (jnp.arange(rows, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
-
-    ids = whole_axes(ids, (1,))  # a sequence's pages on one device: merged with their rows below
-
-    def contiguous(cache):
-        # mode="clip" clamps the page ids inside the gather, so a traced bad id reads a real page.
-        gathered = take_rows(cache, ids, mode="clip")
-        gathered = gathered.reshape((B, rows) + cache.shape[2:])
-        return jnp.where(valid, gathered, jnp.zeros((), cache.dtype))
-
-    return flash_attention(
-        query, contiguous(key_cache), contiguous(value_cache), scale=scale, is_causal=is_causal,
-        return_lse=return_lse, implementation=implementation, key_value_seq_lengths=lengths,
-        local_window_size=local_window_size, causal_alignment=causal_alignment, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic)
+    config, extras = _options.canonicalize(
+        query.shape, False, k_len=max_pages * page_size, is_causal=is_causal,
+        key_value_seq_lengths=lengths, local_window_size=local_window_size,
+        causal_alignment=causal_alignment, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic)
+    slopes = extras.alibi_slopes
+    if B * T * N == 0:
+        out, lse = _gathered(query, key_cache, value_cache, block_table, lengths, slopes, scale,
+                             config, implementation)
+    else:
+        query, key_cache, value_cache, block_table, lengths, slopes = vary_together(
+            query, key_cache, value_cache, block_table, lengths, slopes)
+        args = (query, key_cache, value_cache, block_table, lengths, slopes)
+        in_place = partial(_paged_core, scale=scale, config=config, implementation=implementation)
+        on_cuda = (partial(in_place, split=True) if _hopper_reads_pages(query, value_cache, page_size)
+                   else partial(_gathered, scale=scale, config=config, implementation=implementation))
+        out, lse = jax.lax.platform_dependent(*args, default=partial(in_place, split=False), cuda=on_cuda)
+    return (out, lse) if return_lse else out

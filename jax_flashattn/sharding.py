@@ -153,7 +153,7 @@ def _operand_specs(plan, shapes, backward):
             specs.append(P(b))
         elif name == "q_segment_ids":
             specs.append(P(b, t))
-        elif name in ("kv_segment_ids", "dropout_seeds", "positions"):
+        elif name in ("kv_segment_ids", "dropout_seeds", "positions", "block_table"):
             specs.append(P(b, None))
         else:  # alibi_slopes [1 or B, N]
             specs.append(P(b if shape[0] == B else None, n))
@@ -302,7 +302,7 @@ def _operand_factors(shapes, heads, kv_heads, backward, fresh):
             mappings.append(("b", "t"))
         elif name == "kv_segment_ids":
             mappings.append(("b", "s"))
-        elif name in ("dropout_seeds", "positions"):
+        elif name in ("dropout_seeds", "positions", "block_table"):
             mappings.append(("b", fresh()))
         else:  # alibi_slopes [1 or B, N]
             mappings.append(dims(shape, ("b", heads), (B, N)))

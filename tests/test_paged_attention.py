@@ -1,7 +1,8 @@
 """paged_attention against a float32 reference that assembles each sequence's rows page by page:
 random page order, unused pages and rows past each length filled with NaN (they must not reach the
 result or the gradients), GQA/MQA, causal, window, softcap, ALiBi; the argument checks; jit, vmap
-and the split-KV decoding path it is meant to reach."""
+and the split-KV decoding path it is meant to reach; both ways of reading the pages (gathered into
+a contiguous cache, or handed to the kernel with the block table, as on Hopper GPUs)."""
 from __future__ import annotations
 
 import jax
@@ -198,6 +199,138 @@ def test_decode_calls_reach_the_split_path(monkeypatch):
     assert paged.gathered_pages(10, 128) == 10  # 1280 rows split in two as they are
     assert paged.gathered_pages(9, 128) == 12  # 1152 rows do not split, 1536 do
     assert paged.gathered_pages(11, 100) == 11  # no multiple of 512 is a whole number of pages
+
+
+def _run_cuda_branch(monkeypatch):
+    """paged_attention with its CUDA branch taken on this machine, reading pages in place as on a
+    Hopper GPU: the paged primitive and the split-KV path, on the CPU's handler."""
+    real = jax.lax.platform_dependent
+    monkeypatch.setattr(paged, "_hopper_reads_pages", lambda *a: True)
+    monkeypatch.setattr(jax.lax, "platform_dependent",
+                        lambda *args, default, cuda: real(*args, default=cuda))
+
+
+# (B, T, N, K, page_size, lengths, max_pages, keywords): what the Hopper path takes (pages of
+# 128 rows or more), with and without the split (short caches, ALiBi's unfolded heads).
+IN_PLACE_CASES = {
+    "t1-p128-gqa4-causal-split": (2, 1, 8, 2, 128, [1100, 517], 12, dict(is_causal=True)),
+    "t4-p256-gqa2-causal-split": (2, 4, 4, 2, 256, [2048, 700], 8, dict(is_causal=True)),
+    "t16-p128-mqa-softcap-split": (2, 16, 4, 1, 128, [1500, 1024], 16, dict(softcap=4.0)),
+    "t1-p128-alibi-split": (2, 1, 4, 2, 128, [900, 1025], 12, dict(
+        is_causal=True, alibi_slopes=np.linspace(0.01, 0.1, 4, dtype=np.float32))),
+    "t8-p128-window-unsplit": (3, 8, 4, 2, 128, [300, 129, 8], 3, dict(is_causal=True,
+                                                                      local_window_size=(64, 0))),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_PLACE_CASES))
+def test_in_place_path_matches_reference(case, monkeypatch):
+    """The path that hands the block table to the kernel (split into key blocks that are slices
+    of the table, the causal tail gathered from the pools), against the reference, gradients
+    included (through the gathered call)."""
+    _run_cuda_branch(monkeypatch)
+    B, T, N, K, page_size, lengths, max_pages, kw = IN_PLACE_CASES[case]
+    check(fresh_seed(), B, T, N, K, page_size, lengths, max_pages, dict(kw))
+
+
+def test_in_place_path_never_copies_the_cache(monkeypatch):
+    """Reading in place: the forward has no cache-sized gather, and a decode call's blocks are the
+    block table cut in slices ([B·P, max_pages / P])."""
+    _run_cuda_branch(monkeypatch)
+    q = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((300, 256, 2, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda *a: jfa.paged_attention(*a, is_causal=True))(q, cache, cache, table, lengths))
+    assert "jfa_paged_fwd" in jaxpr and "bf16[2,4096,2,128]" not in jaxpr
+    plan = decode.split_plan((2, 1, 8, 128), (2, 4096, 2, 128), jfa._options.MaskConfig(is_causal=True),
+                             jfa._options.Extras(block_table=jnp.zeros((2, 16), jnp.int32)), None, granule=256)
+    assert plan.chunks > 1 and f"i32[{2 * plan.chunks},{16 // plan.chunks}]" in jaxpr
+
+
+def test_vmap_with_a_shared_pool(monkeypatch):
+    """vmap over the queries, tables and lengths of one shared pool (in_axes None for the caches),
+    on both paths."""
+    seed = fresh_seed()
+    q, kc, vc, table, lengths = make_cache(seed, 2, 4, 4, 2, 128, [300, 129], 3, spare_pages=2)
+    qs = np.stack([q, q[::-1]])
+    tables, all_lengths = np.stack([table, table[::-1]]), np.stack([lengths, lengths[::-1]])
+    for in_place in (False, True):
+        if in_place:
+            _run_cuda_branch(monkeypatch)
+        fn = jax.vmap(lambda q, t, n: jfa.paged_attention(q, kc, vc, t, n, is_causal=True))
+        got = jax.jit(fn)(qs, tables, all_lengths)
+        for i in range(2):
+            want = reference(qs[i], kc, vc, tables[i], all_lengths[i], is_causal=True)[0]
+            assert rel_err(got[i], want) <= 1e-5, f"seed {seed}: in place {in_place}, element {i}"
+
+
+def test_kernel_checks_paged_operands_again():
+    """What reaches the C++ handlers is checked there too: an ffi::Error naming the operand."""
+    from jax_flashattn._options import Extras, MaskConfig
+    from jax_flashattn._paged_primitive import paged_fwd_p
+    from jax_flashattn.primitives import attention_bwd_p
+    q, kc, vc, table, lengths = (jnp.asarray(x) for x in make_cache(0, 2, 1, 4, 2, 16, [20, 16], 2))
+    kc, vc = jnp.nan_to_num(kc), jnp.nan_to_num(vc)
+    none = {name: jnp.zeros((), jnp.int32) for name in Extras._fields}
+
+    def forward(kc, vc, table):
+        extras = dict(none, key_value_seq_lengths=lengths, block_table=table)
+        return paged_fwd_p.bind(q, kc, vc, *extras.values(), scale=0.25, config=MaskConfig(),
+                                implementation=None)
+    forward(kc, vc, table)
+    with pytest.raises(Exception, match=r"block_table must be int32 \[B, max_pages\] with B=2"):
+        forward(kc, vc, table[:1])
+    with pytest.raises(Exception, match="value_cache .* does not match key_cache"):
+        forward(kc, vc[:-1], table)
+    with pytest.raises(Exception, match=r"key_cache .* does not match query .* in head dim"):
+        forward(kc[..., :8], vc, table)
+    k = jnp.zeros((2, 32, 2, 16))
+    extras = dict(none, block_table=table)
+    with pytest.raises(Exception, match="backward takes contiguous key and value"):
+        attention_bwd_p.bind(q, k, k, q, jnp.zeros((2, 1, 4)), q, jnp.zeros((2, 1, 4)), *extras.values(),
+                             scale=0.25, config=MaskConfig(), implementation=None)
+
+
+def test_cuda_lowering_of_the_in_place_path(monkeypatch):
+    """Lowering for CUDA with the table handed to the kernel works without a GPU (in a build
+    without CUDA kernels it stops at the missing kernels, never before)."""
+    monkeypatch.setattr(paged, "_hopper_reads_pages", lambda *a: True)
+    q, kc, vc, table, lengths = make_cache(0, 2, 1, 8, 2, 128, [300, 129], 3, head_dim=128)
+    bf16 = lambda x: jnp.asarray(np.nan_to_num(x), jnp.bfloat16)  # noqa: E731
+    traced = jax.jit(lambda *a: jfa.paged_attention(*a, is_causal=True)).trace(
+        bf16(q), bf16(kc), bf16(vc), table, lengths)
+    try:
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:
+        assert "without its CUDA kernels" in str(e)
+        return
+    assert "jfa_attention_fwd" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["t1-causal", "t4-causal", "t16-alibi", "t1-softcap-h64", "t2-window-h256"])
+def test_hopper_reads_pages_in_place(case):
+    """On a Hopper GPU, pages of 128 and 256 rows are read by the kernel (bf16 against the float32
+    reference; NaN in the rows past each length and in unused pages, which must not reach the
+    result)."""
+    T, head_dim, kw = {
+        "t1-causal": (1, 128, dict(is_causal=True)),
+        "t4-causal": (4, 128, dict(is_causal=True)),
+        "t16-alibi": (16, 128, dict(is_causal=True, alibi_slopes=np.linspace(0.01, 0.1, 8, dtype=np.float32))),
+        "t1-softcap-h64": (1, 64, dict(softcap=5.0)),
+        "t2-window-h256": (2, 256, dict(is_causal=True, local_window_size=(300, 0))),
+    }[case]
+    seed = fresh_seed()
+    for page_size, lengths in ((128, [1100, 517, 128]), (256, [2048, 300, 21])):
+        q, kc, vc, table, lengths = make_cache(seed, 3, T, 8, 2, page_size, lengths, 2048 // page_size + 1,
+                                               head_dim=head_dim)
+        assert paged._hopper_reads_pages(jnp.zeros(q.shape, jnp.bfloat16), vc, page_size), case
+        with jax.default_device(jax.devices("cpu")[0]):
+            want = reference(q, kc, vc, table, lengths, **kw)[0]
+        bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+        got = jfa.paged_attention(bf16(q), bf16(kc), bf16(vc), table, lengths, **kw)
+        assert rel_err(got, want) < 2e-2, f"seed {seed}, page size {page_size}: {rel_err(got, want)}"
 
 
 @pytest.mark.gpu

@@ -18,10 +18,11 @@
 // bias float32 broadcastable to [B, N, T, S]; the packed mask's bits uint32 [B|1, N|1, T,
 // ceil(S/128)*4] and tiles uint8 [B|1, N|1, ceil(T/64), ceil(S/128)]; query_seq_lengths and
 // key_value_seq_lengths int32 [B]; segment ids int32 [B, T] and [B, S]; ALiBi slopes float32
-// [1 or B, N]; dropout seeds uint32 [B, 3]; positions of query row 0 and key 0 int32 [B, 2].
+// [1 or B, N]; dropout seeds uint32 [B, 3]; positions of query row 0 and key 0 int32 [B, 2];
+// block_table int32 [B, max_pages], which makes k and v page pools (the forward only; decode.h).
 #define JFA_MASK_OPERANDS(X)                                                                     \
   X(bias) X(mask_bits) X(mask_tiles) X(q_lengths) X(kv_lengths) X(q_segment_ids) X(kv_segment_ids) \
-  X(alibi_slopes) X(dropout_seeds) X(positions)
+  X(alibi_slopes) X(dropout_seeds) X(positions) X(block_table)
 
 // The segment-id summaries the CUDA kernels skip tiles with, int32 [B, ceil(T/16), 8] and
 // [B, ceil(S/16), 8], or rank 0 without segment ids (decode_segment_chunks).

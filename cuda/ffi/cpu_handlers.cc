@@ -3,7 +3,10 @@
 // Beyond the tensors the handlers take every masking/training operand and attribute that
 // attention_call.h lists (rank 0 = absent). The lowering packs a boolean mask before it reaches
 // them (jax_flashattn/primitives.py).
+#include <vector>
+
 #include "cpu/attention_cpu.h"
+#include "cpu/paged_kv.h"
 #include "ffi/attention_call.h"
 #include "ffi/decode_attention.h"
 #include "ffi/handlers.h"
@@ -30,7 +33,12 @@ ffi::Error ForwardCpu(ForwardCall c) {
   AttentionParams p;
   if (auto e = ffi_decode::decode_forward_call(c, &p); e.failure()) return e;
   if (auto e = ffi_decode::check_positions_on_host(p); e.failure()) return e;
-  cpu::forward(p);
+  if (p.paged.present()) {
+    std::vector<char> k, v;
+    cpu::forward(cpu::gather_pages(p, &k, &v));
+  } else {
+    cpu::forward(p);
+  }
   return ffi::Error::Success();
 }
 

@@ -36,6 +36,18 @@ int64_t cuda_accum_cols(int64_t H) {
 #endif
 }
 
+int64_t cuda_paged_page_rows(int64_t H) {
+#ifdef JFA_HAS_SM90
+  // Every built head dim is built for every built dtype (a build may leave a dtype out).
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16})
+    if (sm90::kernel_head_dim(dtype, int(H)) >= 0) return sm90::kPagedPageRows;
+  return 0;
+#else
+  (void)H;
+  return 0;
+#endif
+}
+
 namespace {
 
 namespace ffi = xla::ffi;
@@ -112,6 +124,20 @@ cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
   return sm80::forward(p, stream);
 }
 
+// A paged cache is read in place by the Hopper forward only (the lowering gathers the pages for
+// the other kernels).
+ffi::Error check_paged_support(const AttentionParams& p) {
+  if (!p.paged.present()) return ffi::Error::Success();
+#ifdef JFA_HAS_SM90
+  if (hopper_allowed() && sm90::can_implement(p)) return ffi::Error::Success();
+#endif
+  const int64_t rows = cuda_paged_page_rows(p.H);
+  return invalid("block_table: paged key/value caches are read in place only by the Hopper (sm90) forward, at "
+                 "page sizes that are multiples of " + std::to_string(rows > 0 ? rows : 128) + " (page_size " +
+                 std::to_string(p.paged.page_size) + ", head dim " + std::to_string(p.H) +
+                 "); paged_attention gathers the pages elsewhere");
+}
+
 // `lse_log2`: the row-statistics workspace's second plane, which only the Hopper backward uses.
 cudaError_t backward_dispatch(AttentionParams p, float* lse_log2, cudaStream_t stream) {
 #ifdef JFA_HAS_SM90
@@ -136,6 +162,7 @@ ffi::Error ForwardCuda(ForwardCall c) {
   if (auto e = ffi_decode::decode_segment_chunks(c.q_segment_chunks, c.kv_segment_chunks, &p); e.failure())
     return e;
   if (auto e = check_cuda_support(p); e.failure()) return e;
+  if (auto e = check_paged_support(p); e.failure()) return e;
   if (auto e = ffi_decode::expect(*c.tile_counter, "tile counter workspace", {1}, ffi::DataType::S32); e.failure())
     return e;
   p.tile_counter = static_cast<int32_t*>(c.tile_counter->untyped_data());

@@ -56,24 +56,59 @@ inline ffi::Error expect(const ffi::AnyBuffer& buf, const char* name,
   return ffi::Error::Success();
 }
 
-// Fills the shape, dtype, scale, mask and forward pointers of `p` from q, k, v, o, lse.
+// A paged call's key and value page pools [num_pages, page_size, K, H] and block table int32 [B,
+// max_pages] into p->paged; *kv_rows = max_pages * page_size, the keys of each sequence.
+inline ffi::Error decode_paged_kv(const ffi::AnyBuffer& table, ffi::Span<const int64_t> qd,
+                                  ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
+                                  AttentionParams* p, int64_t* kv_rows) {
+  auto td = table.dimensions();
+  if (table.element_type() != ffi::DataType::S32 || td.size() != 2 || td[0] != qd[0] || td[1] < 1)
+    return invalid("block_table must be int32 [B, max_pages] with B=" + std::to_string(qd[0]) +
+                   " and max_pages >= 1, got " + shape_str(td));
+  if (kd[0] < 1 || kd[1] < 1)
+    return invalid("key_cache must hold at least one page of at least one row, got " + shape_str(kd));
+  if (vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return invalid("value_cache " + shape_str(vd) + " does not match key_cache " + shape_str(kd) +
+                   " in pages, page size or heads");
+  p->paged.table = static_cast<const int32_t*>(table.untyped_data());
+  p->paged.table_stride = td[1];
+  p->paged.page_size = kd[1];
+  p->paged.num_pages = kd[0];
+  *kv_rows = td[1] * kd[1];
+  return ffi::Error::Success();
+}
+
+// Fills the shape, dtype, scale, mask and forward pointers of `p` from q, k, v, o, lse. With a
+// block_table present (rank > 0), k and v are page pools (PagedKV) and S is the table's reach.
 inline ffi::Error decode_forward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                  const ffi::AnyBuffer& v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                                 float scale, int32_t is_causal, AttentionParams* p) {
+                                 float scale, int32_t is_causal, AttentionParams* p,
+                                 const ffi::AnyBuffer* block_table = nullptr) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const bool paged = block_table != nullptr && block_table->dimensions().size() != 0;
   if (qd.size() != 4) return invalid("query must be 4-D [B, T, N, H], got " + shape_str(qd));
-  if (kd.size() != 4) return invalid("key must be 4-D [B, S, K, H], got " + shape_str(kd));
-  if (vd.size() != 4) return invalid("value must be 4-D [B, S, K, Hv], got " + shape_str(vd));
+  if (kd.size() != 4)
+    return invalid(std::string(paged ? "key_cache must be 4-D [num_pages, page_size, K, H]"
+                                     : "key must be 4-D [B, S, K, H]") + ", got " + shape_str(kd));
+  if (vd.size() != 4)
+    return invalid(std::string(paged ? "value_cache must be 4-D [num_pages, page_size, K, Hv]"
+                                     : "value must be 4-D [B, S, K, Hv]") + ", got " + shape_str(vd));
   if (auto e = to_dtype(q.element_type(), &p->dtype); e.failure()) return e;
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
     return invalid("query, key and value must have one dtype");
   p->B = qd[0]; p->T = qd[1]; p->N = qd[2]; p->H = qd[3];
   p->S = kd[1]; p->K = kd[2]; p->Hv = vd[3];
-  if (kd[0] != p->B || kd[3] != p->H)
-    return invalid("key " + shape_str(kd) + " does not match query " + shape_str(qd) +
-                   " in batch or head dim");
-  if (vd[0] != p->B || vd[1] != p->S || vd[2] != p->K)
-    return invalid("value " + shape_str(vd) + " does not match key " + shape_str(kd));
+  if (paged) {
+    if (auto e = decode_paged_kv(*block_table, qd, kd, vd, p, &p->S); e.failure()) return e;
+    if (kd[3] != p->H)
+      return invalid("key_cache " + shape_str(kd) + " does not match query " + shape_str(qd) + " in head dim");
+  } else {
+    if (kd[0] != p->B || kd[3] != p->H)
+      return invalid("key " + shape_str(kd) + " does not match query " + shape_str(qd) +
+                     " in batch or head dim");
+    if (vd[0] != p->B || vd[1] != p->S || vd[2] != p->K)
+      return invalid("value " + shape_str(vd) + " does not match key " + shape_str(kd));
+  }
   if (p->K < 1 || p->N % p->K != 0)
     return invalid("query heads N=" + std::to_string(p->N) +
                    " must be a multiple of key/value heads K=" + std::to_string(p->K));
@@ -92,8 +127,10 @@ inline ffi::Error decode_forward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   p->o = o.untyped_data();
   p->lse = static_cast<float*>(lse.untyped_data());
   p->q_strides = packed_strides(p->T, p->N, p->H);
-  p->k_strides = packed_strides(p->S, p->K, p->H);
-  p->v_strides = packed_strides(p->S, p->K, p->Hv);
+  // A page pool's `batch` stride is a page's.
+  const int64_t kv_rows = paged ? p->paged.page_size : p->S;
+  p->k_strides = packed_strides(kv_rows, p->K, p->H);
+  p->v_strides = packed_strides(kv_rows, p->K, p->Hv);
   p->o_strides = packed_strides(p->T, p->N, p->Hv);
   p->lse_strides = packed_strides(p->T, p->N, 1);
   return ffi::Error::Success();

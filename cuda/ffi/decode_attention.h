@@ -19,7 +19,8 @@ ffi::Error decode_options(const Call& c, AttentionParams* p) {
 // A forward call: q, k, v, o, lse, scale, is_causal, then the optional operands.
 template <typename Call>
 ffi::Error decode_forward_call(Call& c, AttentionParams* p) {
-  if (auto e = decode_forward(c.q, c.k, c.v, *c.o, *c.lse, c.scale, c.is_causal, p); e.failure()) return e;
+  if (auto e = decode_forward(c.q, c.k, c.v, *c.o, *c.lse, c.scale, c.is_causal, p, &c.block_table); e.failure())
+    return e;
   return decode_options(c, p);
 }
 
@@ -27,6 +28,8 @@ ffi::Error decode_forward_call(Call& c, AttentionParams* p) {
 // and dslopes are left to the handler, whose kernels want them in their own shapes.
 template <typename Call>
 ffi::Error decode_backward_call(Call& c, AttentionParams* p) {
+  if (c.block_table.dimensions().size() != 0)
+    return invalid("the backward takes contiguous key and value, not a block_table (paged caches are gathered)");
   if (auto e = decode_backward(c.q, c.k, c.v, c.o, c.lse, c.dout, c.dlse, *c.dq, *c.dk, *c.dv, c.scale,
                                c.is_causal, p);
       e.failure())

@@ -24,5 +24,9 @@ namespace jfa {
 // H, or the width of the Hopper kernel that runs H where that is wider (sm90/api.h). The lowering
 // allocates the workspace with it (module.cc exports it) and the handler checks it.
 int64_t cuda_accum_cols(int64_t H);
+// The page sizes (multiples of the result) whose paged caches the Hopper forward reads in place at
+// head dim H, or 0 where no Hopper kernel runs H (module.cc exports it; the CUDA forward handler
+// refuses the other paged calls).
+int64_t cuda_paged_page_rows(int64_t H);
 }  // namespace jfa
 #endif

@@ -63,4 +63,13 @@ NB_MODULE(_jax_flashattn, m) {
     return head_dim;
 #endif
   }, "Columns of a row of the CUDA backward's float32 workspace for (padded) head dim head_dim.");
+
+  m.def("cuda_paged_page_rows", [](int head_dim) -> int {
+#ifdef JFA_WITH_CUDA
+    return int(jfa::cuda_paged_page_rows(head_dim));
+#else
+    (void)head_dim;
+    return 0;
+#endif
+  }, "Page sizes (multiples of it) read in place by the Hopper forward at head_dim, or 0.");
 }

@@ -80,6 +80,10 @@ int workspace_head_dim(int head_dim) {
 }
 
 bool can_implement(const AttentionParams& p) {
+  // A paged call's page lookups run in 32 bits (paged_kv.h).
+  if (p.paged.present() && (p.paged.page_size % kPagedPageRows != 0 || p.paged.num_pages > INT32_MAX ||
+                            p.paged.table_stride * p.paged.page_size > INT32_MAX))
+    return false;
   return shapes_ok(p, {{p.q, p.q_strides, p.N}, {p.k, p.k_strides, p.K}, {p.v, p.v_strides, p.K},
                        {p.o, p.o_strides, p.N}});
 }

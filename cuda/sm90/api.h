@@ -28,10 +28,15 @@ int kernel_head_dim(DType dtype, int head_dim);
 // any built dtype of head_dim run here: the kernel's width where it is wider than head_dim.
 int workspace_head_dim(int head_dim);
 
+// A paged call's page size must be a multiple of this: every key tile of its kernels (128 or 64
+// keys) then lies in one page, whose id the producer looks up per tile (fwd_producer.h).
+constexpr int kPagedPageRows = 128;
+
 // Whether forward() takes this call: a kernel for its head dim (kernel_head_dim; H a multiple of
 // 8), H == Hv, T, S >= 1, and what TMA needs
-// (16-byte aligned base pointers and row/head/batch strides, sizes below 2^31). Calls it rejects
-// go to the portable kernel.
+// (16-byte aligned base pointers and row/head/batch strides, sizes below 2^31); a paged cache
+// (AttentionParams::paged) with pages of a multiple of kPagedPageRows rows. Calls it rejects go to
+// the portable kernel, which takes no paged cache.
 bool can_implement(const AttentionParams& p);
 
 // Writes p.o and p.lse (float32, natural log). cudaErrorNotSupported where !can_implement(p).

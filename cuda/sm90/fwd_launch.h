@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "api.h"
 #include "fwd_kernel.h"
 #include "fwd_params.h"
 #include "fwd_traits.h"
@@ -23,6 +24,7 @@ namespace detail {
 template <typename Traits, bool kCausal, int kPolicies = 0>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   constexpr bool kGeneral = kPolicies != 0;
+  if (p.paged.present() && p.paged.page_size % Traits::kBlockN != 0) return cudaErrorNotSupported;
   using Element = typename Traits::Element;
   const FwdParams<Traits> kp = make_fwd_params<Traits>(p);
   const int num_m_blocks = int((p.T + Traits::kBlockM - 1) / Traits::kBlockM);
@@ -79,12 +81,15 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   // causal's). H 64 takes 128 x 128 for short sequences, as plain causal does below (that
   // choice was timed on the plain path), and for the other sets' kernels with segment ids (a 192-row tile
   // straddles more segment boundaries, whose keys those kernels test per element).
+  // Paged caches take the general path too, whose key tiles (128 or 64 keys) each lie in one page
+  // (kPagedPageRows).
   using Lean = typename GeneralFwdConfig<Element, kHeadDim, true>::Traits;
-  if (p.mask.active()) {
+  if (p.mask.active() || p.paged.present()) {
     if constexpr (kHeadDim == 64) {
       // The boolean mask too: on 128-key blocks its threads read one word per row (mask_policies.h,
       // hide_masked); the 112-key blocks of the 192-row tile straddle chunks and test bit by bit.
-      if (p.T <= 1536 || p.mask.packed_mask.present()) return detail::launch_general<Short>(p, stream);
+      if (p.T <= 1536 || p.mask.packed_mask.present() || p.paged.present())
+        return detail::launch_general<Short>(p, stream);
       if (p.mask.q_segment_ids != nullptr) return detail::launch_general<Short, Lean>(p, stream);
     }
     return detail::launch_general<typename GeneralFwdConfig<Element, kHeadDim>::Traits, Lean>(p, stream);

@@ -43,6 +43,7 @@
 #include "fwd_traits.h"
 #include "mask_policies.h"
 #include "named_barriers.h"
+#include "paged_kv.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -172,6 +173,17 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
     }
   };
 
+  // A paged call's first block (the last in memory) may end inside a page: its V rows past the
+  // length are zeroed before the first P·V (paged_kv.h); kBlockN: nothing to zero.
+  // Paged calls take the general path only (fwd_launch.h).
+  int v_rows = kGeneral ? paged_block_rows<kBlockN>(p.attn, t.batch, work.n_end - 1) : kBlockN;
+  auto zero_v_tail = [&](int stage) {
+    if (!kGeneral || v_rows == kBlockN) return;
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+    zero_rows_from<kBlockN, Traits::kHeadDim>(sV, stage, v_rows, tid % 128, kFwdBarEpilogueFirst + w);
+    v_rows = kBlockN;
+  };
+
   ss.q_full.wait(iter & 1);
   // Once its last Q·Kᵀ has finished, a consumer is done with Q: with an own O buffer, the next
   // tile's Q may load under this tile's last softmax, P·V and epilogue.
@@ -211,6 +223,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
       gemm</*zero_init=*/true, /*wait=*/-1>(f.mma_qk, f.tSrQ, f.tSrK(_, _, _, read.index()), tSrS);
     rescale_o_if_needed();
     pipeline_v.consumer_wait(read_v);
+    zero_v_tail(read_v.index());
     gemm</*zero_init=*/false, /*wait=*/-1>(f.mma_pv, tOrP, f.tOrV(_, _, _, read_v.index()), tOrO);
     sched_arrive();
     needs = kGeneral ? general.needs(p.attn, n) : 0;
@@ -233,6 +246,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
   }
   rescale_o_if_needed();
   pipeline_v.consumer_wait(read);
+  zero_v_tail(read.index());
   gemm</*zero_init=*/false, /*wait=*/-1>(f.mma_pv, tOrP, f.tOrV(_, _, _, read.index()), tOrO);
   softmax.finalize(logit_scale, o_scale, lse);
   if constexpr (kGeneral) {

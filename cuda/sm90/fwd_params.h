@@ -20,7 +20,7 @@ struct FwdParams {
   TmaLoad<Element, Traits::kBlockM, Traits::kHeadDim, typename Traits::SmemLayoutQ> tma_q;
   TmaLoad<Element, Traits::kBlockN, Traits::kHeadDim, typename Traits::SmemLayoutK> tma_k, tma_v;
   TmaStoreBox<Element> tma_o;
-  GmemShape shape_q, shape_kv;  // (T, H, N, B) and (S, H, K, B); O has Q's shape
+  GmemShape shape_q, shape_kv;  // (T, H, N, B) and kv_shape's; O has Q's shape
   float* lse;
   int64_t lse_batch, lse_row, lse_head;
   float scale_log2;
@@ -37,11 +37,11 @@ FwdParams<Traits> make_fwd_params(const AttentionParams& p) {
   const int num_m_blocks = int((p.T + kBlockM - 1) / kBlockM);
   return FwdParams<Traits>{
       make_tma_load<kBlockM, kHeadDim, typename Traits::SmemLayoutQ>(query_tensor<Element>(p, p.q, p.q_strides)),
-      make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.k, p.k_strides)),
-      make_tma_load<kBlockN, kHeadDim, LayoutK>(key_tensor<Element>(p, p.v, p.v_strides)),
+      make_tma_load<kBlockN, kHeadDim, LayoutK>(kv_tensor<Element>(p, p.k, p.k_strides)),
+      make_tma_load<kBlockN, kHeadDim, LayoutK>(kv_tensor<Element>(p, p.v, p.v_strides)),
       make_tma_store_box<Element>(query_tensor<Element>(p, p.o, p.o_strides)),
       query_shape(p),
-      key_shape(p),
+      kv_shape(p),
       p.lse,
       p.lse_strides.batch,
       p.lse_strides.row,

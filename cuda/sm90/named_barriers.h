@@ -19,9 +19,10 @@ __forceinline__ __device__ void bar_sync_unaligned(int id, int threads) {
 }
 
 // Forward (fwd_mainloop.h), per consumer warpgroup w: its ping-pong scheduler barrier, its tile
-// meeting with the producer warp and its epilogue (ids first + w). Per warpgroup, so that nothing
-// but the ping-pong order ties the consumers together: a warpgroup ending a tile stores its own
-// rows of O and starts the next tile while the other still runs its last P·V.
+// meeting with the producer warp and its own meetings, the epilogue's and paged_kv.h's (ids
+// first + w). Per warpgroup, so that nothing but the ping-pong order ties the consumers together:
+// a warpgroup ending a tile stores its own rows of O and starts the next tile while the other
+// still runs its last P·V.
 enum : int { kFwdBarSchedFirst = 1, kFwdBarTileFirst = 4, kFwdBarEpilogueFirst = 7 };
 // A scheduler barrier joins two warpgroups, whatever their number: the one that waits there for its
 // turn and the one before it, which arrives when it has issued its GEMMs.

@@ -47,6 +47,17 @@ auto key_tensor(const AttentionParams& p, Ptr ptr, const Strides& s) {
   return gmem_tensor<Element>(ptr, key_shape(p), gmem_stride(s, p.K, p.B));
 }
 
+// The forward's K and V: key_tensor's view, or a paged call's page pool [num_pages, page_size, K,
+// H] as (page rows, dim, heads, pages), whose tiles the producer addresses page by page.
+inline GmemShape kv_shape(const AttentionParams& p) {
+  return p.paged.present() ? GmemShape{int(p.paged.page_size), int(p.H), int(p.K), int(p.paged.num_pages)}
+                           : key_shape(p);
+}
+template <typename Element, typename Ptr>
+auto kv_tensor(const AttentionParams& p, Ptr ptr, const Strides& s) {
+  return gmem_tensor<Element>(ptr, kv_shape(p), gmem_stride(s, p.K, p.paged.present() ? p.paged.num_pages : p.B));
+}
+
 // TMA load of one (rows x dim) tile into smem of layout `SmemLayout` (its first two modes).
 template <int kRows, int kDim, typename SmemLayout, typename GTensor>
 auto make_tma_load(GTensor const& t) {

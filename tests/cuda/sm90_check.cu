@@ -61,7 +61,11 @@ enum Feature : int {
   kScatteredSegments = 1024,
   // Packed sequences whose boundaries fall on the summaries' 16-position chunks, as the timed
   // 4096-key sequences do: rows fold their segment into their position bounds (mask.h, tile_rows).
-  kChunkAlignedSegments = 2048
+  kChunkAlignedSegments = 2048,
+  // K and V as page pools read through a block table (AttentionParams::paged): pages of 256 rows
+  // where S is a multiple of 256, else 128, in random order; rows past each length and the spare
+  // pages NaN (the kernel must zero what it reads of them: paged_kv.h). S a multiple of 128, no pad.
+  kPaged = 4096
 };
 
 struct Config {
@@ -240,6 +244,31 @@ static void run_case(const Config& c, std::mt19937& rng) {
   ph.mask = masks.host;
   p.q = upload(q.data); p.k = upload(k.data); p.v = upload(v.data);
   p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
+  std::vector<void*> paged_buffers;
+  if (c.features & kPaged) {
+    const int page = c.S % 256 == 0 ? 256 : 128, per_sequence = c.S / page, pages = c.B * per_sequence + 2;
+    std::vector<int32_t> order(pages), table(size_t(c.B) * per_sequence);
+    for (int i = 0; i < pages; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    const size_t row = size_t(c.K) * c.H;
+    for (Tensor4* t : {&k, &v}) {
+      std::vector<uint16_t> pool(size_t(pages) * page * row, 0xFFFF);  // NaN in fp16 and bf16
+      for (int b = 0; b < c.B; ++b)
+        for (int j = 0; j < int(jfa::clamp_length(masks.host.kv_lengths, b, c.S)); ++j) {
+          const int id = order[b * per_sequence + j / page];
+          std::copy_n(&t->data[t->idx(b, j, 0, 0)], row, &pool[(size_t(id) * page + j % page) * row]);
+        }
+      paged_buffers.push_back(upload(pool));
+    }
+    for (size_t i = 0; i < table.size(); ++i) table[i] = order[i];
+    void* d_table;
+    CK(cudaMalloc(&d_table, table.size() * 4));
+    CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    paged_buffers.push_back(d_table);
+    p.k = paged_buffers[0]; p.v = paged_buffers[1];
+    p.k_strides = p.v_strides = jfa::packed_strides(page, c.K, c.H);
+    p.paged = jfa::PagedKV{static_cast<const int32_t*>(d_table), per_sequence, page, pages};
+  }
   const size_t o_elems = o.size(), rows = size_t(c.B) * c.T * c.N;
   void* d_o;
   float* d_lse;
@@ -363,7 +392,10 @@ static void run_case(const Config& c, std::mt19937& rng) {
          ok ? "PASS" : "FAIL", dtn, c.B, c.T, c.S, c.N, c.K, c.H, c.causal, c.pad, c.features, err, lerr,
          finite ? "" : " NONFINITE", untouched ? "" : " WROTE-OUTSIDE", empty_rows_ok ? "" : " EMPTY-ROWS-WRONG");
   fflush(stdout);
-  for (void* ptr : {(void*)p.q, (void*)p.k, (void*)p.v, d_o, (void*)d_lse}) CK(cudaFree(ptr));
+  for (void* ptr : {(void*)p.q, d_o, (void*)d_lse}) CK(cudaFree(ptr));
+  for (void* ptr : paged_buffers) CK(cudaFree(ptr));
+  if (!(c.features & kPaged))
+    for (void* ptr : {(void*)p.k, (void*)p.v}) CK(cudaFree(ptr));
 }
 
 static bool g_skip_sm80 = false;  // --lengths times the sm90 kernel only
@@ -759,6 +791,10 @@ int main(int argc, char** argv) {
       cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
+    for (int H : {64, 128, 256}) {  // paged caches (rows past the lengths NaN)
+      cases.push_back({2, 1, 512, 4, 1, H, true, BF, 0, kPaged | kLengths | kBottomRight});
+      cases.push_back({2, 17, 384, 4, 2, H, false, FP, 0, kPaged | kLengths});
+    }
     // Head dims between the kernels' run on the next wider kernel (api.h, kernel_head_dim).
     for (int H : {32, 96, 192}) {
       cases.push_back({2, 200, 150, 2, 2, H, true, FP, 8});
@@ -821,6 +857,12 @@ int main(int argc, char** argv) {
       cases.push_back({2, 300, 255, 4, 2, H, true, FP, 8, kDropout | kLengths | kBottomRight});
       cases.push_back({1, 1100, 1300, 4, 2, H, true, BF, 0, kDropout | kAlibi | kSegments | kWindow});
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll | kDropout});
+      // Paged caches: decode-shaped, a few queries with ALiBi, many with a window and soft-capping;
+      // without lengths (every row valid) too.
+      cases.push_back({3, 1, 1024, 8, 2, H, true, BF, 0, kPaged | kLengths | kBottomRight});
+      cases.push_back({2, 64, 768, 4, 2, H, true, FP, 0, kPaged | kLengths | kBottomRight | kAlibi});
+      cases.push_back({2, 300, 512, 4, 1, H, false, BF, 0, kPaged | kWindow | kSoftcap});
+      cases.push_back({1, 200, 1280, 4, 4, H, true, BF, 0, kPaged | kLengths | kSegments});
     }
   }
   for (auto& c : cases) run_case(c, rng);

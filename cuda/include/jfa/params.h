@@ -174,6 +174,25 @@ struct MaskParams {
   }
 };
 
+// A paged key/value cache (vLLM's layout): k and v are page pools [num_pages, page_size, K, H]
+// (their strides' `batch` is a page's), and key row s of batch element b lives at row s % page_size
+// of page table[b * table_stride + s / page_size], S = table_stride * page_size. A page id outside
+// [0, num_pages) is clamped into it, so a bad table never reads out of bounds. Null table: k and v
+// are [B, S, K, H].
+struct PagedKV {
+  const int32_t* table = nullptr;  // int32 [B, table_stride]; device memory for the CUDA kernels
+  int64_t table_stride = 0;        // pages per sequence
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+
+  JFA_HOST_DEVICE bool present() const { return table != nullptr; }
+  // The page that holds key row `row` of batch element b.
+  JFA_HOST_DEVICE int64_t page(int64_t b, int64_t row) const {
+    const int64_t id = table[b * table_stride + row / page_size];
+    return id < 0 ? 0 : id >= num_pages ? num_pages - 1 : id;
+  }
+};
+
 struct AttentionParams {
   // Shapes.
   int64_t B = 0, T = 0, S = 0, N = 0, K = 0, H = 0, Hv = 0;
@@ -198,7 +217,8 @@ struct AttentionParams {
   void* o = nullptr;
   float* lse = nullptr;
   Strides q_strides, k_strides, v_strides, o_strides;
-  Strides lse_strides;  // dim unused: lse[b,t,n] = lse[b*batch + t*row + n*head]
+  Strides lse_strides;
+  PagedKV paged;  // k and v as page pools (the forward only)  // dim unused: lse[b,t,n] = lse[b*batch + t*row + n*head]
 
   // Backward inputs and outputs (unused by the forward pass).
   const void* dout = nullptr;  // cotangent of o, layout of o
