@@ -3,15 +3,18 @@ XLA) in the same process.
 
     python benchmarks/bench_decode.py              # the rows below, bf16, N 32, K 8, H 128
     python benchmarks/bench_decode.py --cpu-smoke  # a tiny float32 run that works on a CPU
+    python benchmarks/bench_decode.py --rows "8,1,32768;1,1,131072" --impls jax_flashattn,cudnn
 
 Rows (B, T, S): (8, 1, 8k), (8, 1, 32k), (8, 16, 32k), (1, 1, 128k), (32, 1, 8k), (8, 4, 16k);
 bottom-right causal (the T queries are the cache's last positions). jax.nn gets the equivalent
 call: no mask for T = 1 (the query sees the whole cache), else the bottom-right causal mask as a
 boolean [1, 1, T, S]. Impls: jax_flashattn (the default dispatch, which splits the keys for such
 calls: jax_flashattn/decode.py), jax_flashattn_nosplit (JFA_DECODE_SPLIT=0 while it is traced),
-jax_flashattn_paged64 and jax_flashattn_paged256 (paged_attention over the same cache cut into pages
-of 64 or 256 rows in shuffled order, every row valid: the contiguous call plus the gather), cudnn
-and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
+jax_flashattn_paged64, jax_flashattn_paged128 and jax_flashattn_paged256 (paged_attention over the
+same cache cut into pages of 64, 128 or 256 rows in shuffled order, every row valid: on a Hopper GPU
+pages of 128 rows or more are read in place by the kernel, smaller ones gathered into a contiguous
+cache first), jax_flashattn_paged256gather (pages of 256 rows gathered as on other GPUs, for an A/B
+in one process), cudnn and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
 block_until_ready; the median per-call time over `--rounds` rounds, the rounds of one row
 alternating between the implementations. Rate: bytes of K and V read per second (the paged rows
 too: their gather's extra traffic is not counted).
@@ -33,8 +36,8 @@ import numpy as np
 import jax_flashattn as jfa
 
 ROWS = [(8, 1, 8192), (8, 1, 32768), (8, 16, 32768), (1, 1, 131072), (32, 1, 8192), (8, 4, 16384)]
-IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged64", "jax_flashattn_paged256",
-         "cudnn", "xla"]
+IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged64", "jax_flashattn_paged128",
+         "jax_flashattn_paged256", "jax_flashattn_paged256gather", "cudnn", "xla"]
 
 
 def paged(k, v, page_size, seed):
@@ -51,7 +54,15 @@ def make_fn(impl, T, S, q, k, v):
     if impl.startswith("jax_flashattn_paged"):
         fn = jax.jit(lambda q, kp, vp, table, lengths: jfa.paged_attention(q, kp, vp, table, lengths,
                                                                         is_causal=True))
-        return fn, (q,) + paged(k, v, int(impl[len("jax_flashattn_paged"):]), S)
+        gather = impl.endswith("gather")
+        args = (q,) + paged(k, v, int(impl[len("jax_flashattn_paged"):].removesuffix("gather")), S)
+        in_place = jfa.paged._hopper_reads_pages
+        if gather:  # compiled while the in-place path is off
+            jfa.paged._hopper_reads_pages = lambda *a: False
+        try:
+            return fn.lower(*args).compile(), args
+        finally:
+            jfa.paged._hopper_reads_pages = in_place
     if impl.startswith("jax_flashattn"):
         fn = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True,
                                                           causal_alignment="bottom_right"))
@@ -74,12 +85,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--rows", default=None,
+                        help="B,T,S triples separated by ';' (default: the rows above)")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default=None, help="the CSV file, or a folder for it")
     a = parser.parse_args()
     N, K, H = (4, 2, 32) if a.cpu_smoke else (32, 8, 128)
     dtype = jnp.float32 if a.cpu_smoke else jnp.bfloat16
     rows = [(2, 1, 1024)] if a.cpu_smoke else ROWS
+    if a.rows:
+        rows = [tuple(int(x) for x in row.split(",")) for row in a.rows.split(";")]
     impls = ["jax_flashattn", "jax_flashattn_paged64", "jax_flashattn_paged256", "xla"] if a.cpu_smoke \
         else a.impls.split(",")
     device = jax.devices()[0].device_kind.replace(" ", "-").lower()
