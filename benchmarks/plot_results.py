@@ -1,4 +1,5 @@
-"""Draw TFLOP/s against sequence length from a benchmarks/results CSV.
+"""Draw TFLOP/s against sequence length from a benchmarks/results CSV (a bench_decode.py CSV: K/V
+bytes per second, grouped bars per row).
 
     python benchmarks/plot_results.py benchmarks/results/2026-11-21-nvidia-h100-80gb-hbm3.csv
     python benchmarks/plot_results.py RESULTS.csv --anchors /work/shared/anchors/2026-11-21-h200.csv
@@ -57,6 +58,9 @@ def plot_csv(csv_path, png_path=None, anchors_path=None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with open(csv_path, newline="") as f:
+        if "kv_gb_per_s" in next(csv.reader(f), []):
+            return plot_decode_csv(csv_path, png_path)
     rows = read_rows(csv_path)
     if not rows:
         raise ValueError(f"{csv_path} has no rows")
@@ -100,6 +104,35 @@ def plot_csv(csv_path, png_path=None, anchors_path=None) -> Path:
     fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']} — solid: non-causal, dashed: causal")
     rows_of_legend = (len(legend) + 3) // 4
     fig.tight_layout(rect=(0, 0.03 + 0.035 * rows_of_legend, 1, 1))
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def plot_decode_csv(csv_path, png_path=None) -> Path:
+    """A bench_decode.py CSV: K/V bytes read per second, one group of bars per (B, T, S) row and one
+    bar per impl, in the CSV's order."""
+    import matplotlib.pyplot as plt
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    problems = list(dict.fromkeys((r["batch"], r["queries"], r["keys"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    rate = {(r["batch"], r["queries"], r["keys"], r["impl"]): float(r["kv_gb_per_s"]) for r in rows}
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(problems), 4.2))
+    for i, impl in enumerate(impls):
+        xs = [p + (i - (len(impls) - 1) / 2) * width for p in range(len(problems))]
+        ax.bar(xs, [rate.get(problem + (impl,), 0.0) for problem in problems], width, label=impl)
+    ax.set_xticks(range(len(problems)))
+    ax.set_xticklabels([f"B {b}, T {t}\nS {int(s) // 1024}k" for b, t, s in problems])
+    ax.set_ylabel("K/V read, GB/s")
+    first = rows[0]
+    ax.set_title(f"{first['device']}: decoding, N {first['heads']}, K {first['kv_heads']}, H {first['hdim']}, bf16")
+    ax.set_ylim(0, 1.3 * max(rate.values()))  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    fig.tight_layout()
+    png_path = Path(png_path) if png_path else Path(csv_path).with_suffix(".png")
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
