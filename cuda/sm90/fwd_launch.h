@@ -10,11 +10,11 @@
 
 #include <algorithm>
 
-#include "api.h"
 #include "fwd_kernel.h"
 #include "fwd_params.h"
 #include "fwd_traits.h"
 #include "jfa/params.h"
+#include "paged_kv.h"
 #include "run.h"
 
 namespace jfa::sm90 {
@@ -24,7 +24,8 @@ namespace detail {
 template <typename Traits, bool kCausal, int kPolicies = 0>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   constexpr bool kGeneral = kPolicies != 0;
-  if (p.paged.present() && p.paged.page_size % Traits::kBlockN != 0) return cudaErrorNotSupported;
+  if (p.paged.present() && (!reads_pages<Traits, kPolicies>() || p.paged.page_size % Traits::kBlockN != 0))
+    return cudaErrorNotSupported;
   using Element = typename Traits::Element;
   const FwdParams<Traits> kp = make_fwd_params<Traits>(p);
   const int num_m_blocks = int((p.T + Traits::kBlockM - 1) / Traits::kBlockM);
@@ -63,6 +64,8 @@ cudaError_t launch_general(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kAlibiSet = kPolicyPositions | kPolicyAlibi, kSegmentsSet = kPolicyPositions | kPolicySegments,
                 kDataSet = kPolicyPositions | kPolicyData;
   const int needed = policies_needed(p.mask);
+  // Paged calls with data masks: the all-policies kernel (paged_kv.h, reads_pages).
+  if (p.paged.present() && (needed & kPolicyData) != 0) return launch_fwd<Traits, false, kPolicyAll>(p, stream);
   if (needed == kPolicyPositions) return launch_fwd<LeanTraits, false, kPolicyPositions>(p, stream);
   if ((needed & ~kAlibiSet) == 0) return launch_fwd<Traits, false, kAlibiSet>(p, stream);
   if ((needed & ~kSegmentsSet) == 0) return launch_fwd<LeanTraits, false, kSegmentsSet>(p, stream);

@@ -175,10 +175,10 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
 
   // A paged call's first block (the last in memory) may end inside a page: its V rows past the
   // length are zeroed before the first P·V (paged_kv.h); kBlockN: nothing to zero.
-  // Paged calls take the general path only (fwd_launch.h).
-  int v_rows = kGeneral ? paged_block_rows<kBlockN>(p.attn, t.batch, work.n_end - 1) : kBlockN;
+  constexpr bool kPaged = reads_pages<Traits, kPolicies>();
+  int v_rows = kPaged ? paged_block_rows<kBlockN>(p.attn, t.batch, work.n_end - 1) : kBlockN;
   auto zero_v_tail = [&](int stage) {
-    if (!kGeneral || v_rows == kBlockN) return;
+    if (!kPaged || v_rows == kBlockN) return;
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
     zero_rows_from<kBlockN, Traits::kHeadDim>(sV, stage, v_rows, tid % 128, kFwdBarEpilogueFirst + w);
     v_rows = kBlockN;

@@ -43,8 +43,8 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    // A paged call (the general path's kernels only: fwd_launch.h) loads block n from the page the
-    // table names for it: tile (n·kBlockN mod page_size) / kBlockN of that page (kPagedPageRows).
+    // A paged call (on the kernels that take them: paged_kv.h, reads_pages) loads block n from the
+    // page the table names for it: tile (n·kBlockN mod page_size) / kBlockN of that page.
     auto load_paged = [&](auto const& tma, auto const& m, auto const& s, int stage, int n, uint64_t& bar) {
       const int row = n * kBlockN, page_size = int(p.attn.paged.page_size), entry = row / page_size;
       Tensor g = local_tile(m(_, _, kv_head, table_page(p.attn.paged, t.batch, entry)),
@@ -57,7 +57,7 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
       pipeline.producer_acquire(st);
       if (!leader) return;
       uint64_t& bar = *pipeline.producer_get_barrier(st);
-      if (kPolicies != 0 && p.attn.paged.present())
+      if (reads_pages<Traits, kPolicies>() && p.attn.paged.present())
         load_paged(tma, m, s, st.index(), n, bar);
       else
         copy(tma.with(bar), tg(_, n), ts(_, st.index()));

@@ -9,11 +9,25 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "api.h"
 #include "jfa/mask.h"
 #include "jfa/params.h"
+#include "mask_policies.h"
 #include "named_barriers.h"
 
 namespace jfa::sm90 {
+
+// Whether a forward kernel takes paged calls: the general path's kernels on two consumers' 128 x 128
+// or 128 x 64 tiles, which fwd_launch.h gives them, of the positions, ALiBi and all-policies sets
+// (a paged call with data masks runs on the last; none has dropout). The others carry none of the
+// code below: their registers are tighter (H 64's three consumers, the data masks' set) and no
+// paged call reaches them.
+template <typename Traits, int kPolicies>
+constexpr bool reads_pages() {
+  return kPolicies != 0 && (kPolicies & kPolicyDropout) == 0 &&
+         ((kPolicies & kPolicyData) == 0 || kPolicies == kPolicyAll) && kPagedPageRows % Traits::kBlockN == 0 &&
+         Traits::kNumMmaWarpGroups == 2;
+}
 
 // Entry `entry` of batch element b's row of the block table, clamped into the pool. In 32 bits
 // (can_implement bounds the sizes): the producer that calls it runs on 24 registers.
