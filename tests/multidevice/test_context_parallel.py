@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_flashattn as jfa
+from jax_flashattn._options import Extras
 from conftest import COLLECTIVE, cpu_mesh
 from util import fresh_seed, nested_eqns, random_qkv, rel_err
 
@@ -137,7 +138,8 @@ def test_causal_all_gather_calls_are_plain(layout):
         # Causal calls are the diagonal blocks: as many keys as queries.
         assert not config.is_causal or shapes[0][1] == shapes[1][1], (name, config, shapes)
     windowed = calls(local_window_size=(5, 0))
-    assert windowed and all(shapes[-1] != () for _, _, shapes in windowed)  # the positions operand
+    positions = Extras._fields.index("positions")
+    assert windowed and all(shapes[tensors[name] + positions] != () for name, _, shapes in windowed)
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
