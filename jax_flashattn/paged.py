@@ -249,7 +249,9 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lengths, *, 
         causal_alignment=causal_alignment, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic)
     slopes = extras.alibi_slopes
-    if B * T * N == 0:
+    # With Explicit mesh axes the pages are gathered: the choice between the platforms' paths is a
+    # conditional, which JAX 0.8 cannot differentiate with Explicit shardings.
+    if B * T * N == 0 or explicitly_sharded(query, key_cache, value_cache, block_table, lengths):
         out, lse = _gathered(query, key_cache, value_cache, block_table, lengths, slopes, scale,
                              config, implementation)
     else:
