@@ -39,7 +39,7 @@ def _batch_rule(args, dims, **params):
     ids clamped into them first, so a bad id stays inside its instance's pool)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
     q, q_dim = args[0], dims[0]
-    batch = q.shape[0] if q_dim is not_mapped else jnp.moveaxis(q, q_dim, 0).shape[1]
+    batch = q.shape[0] if q_dim is not_mapped else q.shape[1 if q_dim == 0 else 0]
     pools = list(args[1:3])
     offsets = None
     if dims[1] is not not_mapped or dims[2] is not not_mapped:

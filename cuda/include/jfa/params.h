@@ -217,8 +217,8 @@ struct AttentionParams {
   void* o = nullptr;
   float* lse = nullptr;
   Strides q_strides, k_strides, v_strides, o_strides;
-  Strides lse_strides;
-  PagedKV paged;  // k and v as page pools (the forward only)  // dim unused: lse[b,t,n] = lse[b*batch + t*row + n*head]
+  Strides lse_strides;  // dim unused: lse[b,t,n] = lse[b*batch + t*row + n*head]
+  PagedKV paged;        // k and v as page pools (the forward only)
 
   // Backward inputs and outputs (unused by the forward pass).
   const void* dout = nullptr;  // cotangent of o, layout of o
