@@ -1,6 +1,7 @@
-// attn_dist on CUDA cores: one CTA per (query position, group of head_group heads). It takes the
-// group's heads one after another, so each output element is summed in head order by the one
-// lane that owns its slot (deterministic, no atomics), from P = exp2(scale·log2(e)·q·k − lse·log2(e)).
+// attn_dist on CUDA cores, for the calls the tensor-core kernel does not take: one CTA per (query
+// position, group of head_group heads). It takes the group's heads one after another, so each
+// output element is summed in head order by the one lane that owns its slot (deterministic, no
+// atomics), from P = exp2(scale·log2(e)·q·k − lse·log2(e)).
 #include <cmath>
 
 #include "sparse/device_common.cuh"
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) attn_dist_kernel(SparseParams p) {
 
 }  // namespace
 
-cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream) {
+cudaError_t attn_dist_cuda_cores(const SparseParams& p, cudaStream_t stream) {
   const unsigned grid = grid_of(p.B * p.T * (p.N / p.head_group));
   if (grid == 0) return cudaErrorInvalidConfiguration;
   const int64_t total = p.B * (p.N / p.head_group) * p.T * p.topk;
@@ -59,6 +60,11 @@ cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream) {
     attn_dist_kernel<Elem><<<grid, kThreads, sizeof(float) * p.H, stream>>>(p);
     return cudaGetLastError();
   });
+}
+
+cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream) {
+  const cudaError_t e = attn_dist_tensor_cores(p, stream);
+  return e == cudaErrorNotSupported ? attn_dist_cuda_cores(p, stream) : e;
 }
 
 }  // namespace jfa::sparse_gpu

@@ -1,7 +1,8 @@
-// Forward of top-k sparse attention on CUDA cores: one CTA per (query position, head). It streams
-// the selected slots in chunks of kChunk: each warp computes the logits of its slots, then an
-// online-softmax step (log2 domain) rescales the output row, which each thread owns a strided
-// part of, and adds the chunk's P·V with coalesced reads of the value rows.
+// Forward of top-k sparse attention on CUDA cores, for the calls the tensor-core kernel does not
+// take (float32, odd head dims): one CTA per (query position, head). It streams the selected slots
+// in chunks of kChunk: each warp computes the logits of its slots, then an online-softmax step
+// (log2 domain) rescales the output row, which each thread owns a strided part of, and adds the
+// chunk's P·V with coalesced reads of the value rows.
 #include <cmath>
 
 #include "sparse/device_common.cuh"
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) sparse_forward_kernel(SparseParams p
 
 }  // namespace
 
-cudaError_t forward(const SparseParams& p, cudaStream_t stream) {
+cudaError_t forward_cuda_cores(const SparseParams& p, cudaStream_t stream) {
   const unsigned grid = grid_of(p.B * p.T * p.N);
   if (grid == 0) return cudaErrorInvalidConfiguration;
   const size_t smem = sizeof(float) * (p.H + p.Hv);
@@ -95,6 +96,11 @@ cudaError_t forward(const SparseParams& p, cudaStream_t stream) {
     sparse_forward_kernel<Elem><<<grid, kThreads, smem, stream>>>(p);
     return cudaGetLastError();
   });
+}
+
+cudaError_t forward(const SparseParams& p, cudaStream_t stream) {
+  const cudaError_t e = forward_tensor_cores(p, stream);
+  return e == cudaErrorNotSupported ? forward_cuda_cores(p, stream) : e;
 }
 
 }  // namespace jfa::sparse_gpu

@@ -1,8 +1,10 @@
 // Top-k sparse attention and attn_dist on the GPU: the CUDA kernels behind jax_flashattn.sparse.
 // Host-only declarations: includable from a .cc compiled by a plain C++ compiler.
 //
-// These are portable CUDA-core kernels (sm80 and later, float32/float16/bfloat16): one CTA per query
-// row (per group of heads for attn_dist), for every size but far from tensor-core speed.
+// forward() and attn_dist() run tensor-core kernels (sm80 mma.sync) where they take the call:
+// float16/bfloat16, H and Hv multiples of 8 up to 576 and 512, the tiles within the device's shared
+// memory (attn_dist: head groups of 16, 32, 64 or 128 within a key head's group). Other calls run
+// portable CUDA-core kernels (float32 too, any size). The backward is CUDA-core only.
 // Every index is tested with sparse_index_valid before the key or value row it names is read.
 #pragma once
 
@@ -27,12 +29,18 @@ struct SparseBackwardWorkspace {
 
 // Writes o and lse.
 cudaError_t forward(const SparseParams& p, cudaStream_t stream);
+// The two kernels forward() chooses between; the tensor-core one returns cudaErrorNotSupported,
+// launching nothing, for calls it does not take.
+cudaError_t forward_tensor_cores(const SparseParams& p, cudaStream_t stream);
+cudaError_t forward_cuda_cores(const SparseParams& p, cudaStream_t stream);
 
 // Writes dq, dk, dv. With p.deterministic every key row's gradient is summed by one CTA in
 // (query, slot, head) order; otherwise float atomics scatter it in whatever order CTAs run.
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream);
 
-// Writes dist (deterministic: each CTA sums its group's heads in order).
+// Writes dist (deterministic: every element is summed in the same order on every run).
 cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream);
+cudaError_t attn_dist_tensor_cores(const SparseParams& p, cudaStream_t stream);
+cudaError_t attn_dist_cuda_cores(const SparseParams& p, cudaStream_t stream);
 
 }  // namespace jfa::sparse_gpu

@@ -6,9 +6,10 @@
 // with key or not. GPU outputs are poisoned (NaN) before each launch and every element is checked.
 // Standalone, so that compute-sanitizer runs it without JAX (--small: a few small cases).
 //
-//   nvcc -std=c++17 -O2 -Icuda -Icuda/include tests/cuda/sparse_check.cu cuda/sparse/forward.cu \
-//     cuda/sparse/backward.cu cuda/sparse/attn_dist.cu cuda/cpu/sparse_forward.cc \
-//     cuda/cpu/sparse_backward.cc cuda/cpu/tiles.cc cuda/cpu/parallel_for.cc -o /tmp/sparse_check
+//   nvcc -std=c++17 -O2 -arch=native -Icuda -Icuda/include tests/cuda/sparse_check.cu cuda/sparse/*.cu \
+//     cuda/cpu/sparse_forward.cc cuda/cpu/sparse_backward.cc cuda/cpu/tiles.cc cuda/cpu/parallel_for.cc \
+//     -o /tmp/sparse_check
+//   /tmp/sparse_check [--small | --bench]
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -117,6 +118,25 @@ SparseParams shape_params(const Case& c) {
   return p;
 }
 
+// One of the kernels a public entry point chooses between.
+struct Kernel {
+  std::string name;
+  cudaError_t (*run)(const SparseParams&, cudaStream_t);
+};
+
+// Runs `kernel` and waits for it; false (and a note) when it does not take the call.
+bool launched(const Kernel& kernel, const SparseParams& g, const Case& c) {
+  const cudaError_t e = kernel.run(g, nullptr);
+  if (e == cudaErrorNotSupported) {
+    printf("  (%s does not take H%lld Hv%lld N%lld K%lld group %lld)\n", kernel.name.c_str(), (long long)c.H,
+           (long long)c.Hv, (long long)c.N, (long long)c.K, (long long)c.head_group);
+    return false;
+  }
+  CK(e);
+  CK(cudaDeviceSynchronize());
+  return true;
+}
+
 void run_case(const Case& c, std::mt19937& rng) {
   const DType dt = c.dtype;
   const float fwd_bound = dt == DType::kBFloat16 ? 2e-2f : 3e-3f, grad_bound = 4 * fwd_bound;
@@ -154,12 +174,17 @@ void run_case(const Case& c, std::mt19937& rng) {
   SparseParams g = shape_params(c);
   g.q = d_q.ptr; g.k = d_k.ptr; g.v = c.shared_value ? nullptr : d_v.ptr; g.indices = d_idx.as<int32_t>();
   g.o = d_o.ptr; g.lse = d_lse.as<float>();
-  CK(jfa::sparse_gpu::forward(g, nullptr));
-  CK(cudaDeviceSynchronize());
-  const auto o = as_float(d_o.download<uint16_t>(), dt), lse = d_lse.download<float>();
-  const double o_err = rel_err(o, as_float(o_ref, dt)), lse_err = rel_err(lse, lse_ref);
-  expect(o_err <= fwd_bound, "forward out", o_err, c);
-  expect(lse_err <= 1e-4, "forward lse", lse_err, c);
+  // Both forward kernels: the tensor-core one where it takes the call, and the CUDA-core one.
+  for (const Kernel& kernel : {Kernel{"tensor-core forward", jfa::sparse_gpu::forward_tensor_cores},
+                               Kernel{"CUDA-core forward", jfa::sparse_gpu::forward_cuda_cores}}) {
+    d_o.poison();
+    d_lse.poison();
+    if (!launched(kernel, g, c)) continue;
+    const auto o = as_float(d_o.download<uint16_t>(), dt), lse = d_lse.download<float>();
+    const double o_err = rel_err(o, as_float(o_ref, dt)), lse_err = rel_err(lse, lse_ref);
+    expect(o_err <= fwd_bound, (kernel.name + " out").c_str(), o_err, c);
+    expect(lse_err <= 1e-4, (kernel.name + " lse").c_str(), lse_err, c);
+  }
 
   // The backward reads the CPU's o and lse, so both sides differentiate the same forward.
   d_o.upload(o_ref);
@@ -188,16 +213,72 @@ void run_case(const Case& c, std::mt19937& rng) {
   }
 
   g.dist = d_dist.as<float>();
-  CK(jfa::sparse_gpu::attn_dist(g, nullptr));
-  CK(cudaDeviceSynchronize());
-  const double dist_err = rel_err(d_dist.download<float>(), dist_ref);
-  expect(dist_err <= 1e-4, "attn_dist", dist_err, c);
+  for (const Kernel& kernel : {Kernel{"tensor-core attn_dist", jfa::sparse_gpu::attn_dist_tensor_cores},
+                               Kernel{"CUDA-core attn_dist", jfa::sparse_gpu::attn_dist_cuda_cores}}) {
+    d_dist.poison();
+    if (!launched(kernel, g, c)) continue;
+    const auto dist = d_dist.download<float>();
+    const double dist_err = rel_err(dist, dist_ref);
+    expect(dist_err <= 1e-4, kernel.name.c_str(), dist_err, c);
+    // Twice, bit for bit: the output must not depend on the order in which CTAs add.
+    d_dist.poison();
+    CK(kernel.run(g, nullptr));
+    CK(cudaDeviceSynchronize());
+    expect(d_dist.download<float>() == dist, (kernel.name + " bitwise repeat").c_str(), 0, c);
+  }
+}
+
+// Times the tensor-core forward and attn_dist at DeepSeek V3.2's shapes (N 128, K 1, H 576, Hv 512,
+// topk 2048, causal bottom-right, about 1 % of slots -1), FLOPs as benchmarks/bench_sparse.py counts
+// them. A quick look without JAX; bench_sparse.py is the benchmark.
+void bench(int64_t T, int64_t S) {
+  Case c{1, T, S, 128, 1, 576, 512, 2048, true, true, true, DType::kBFloat16, 64};
+  std::mt19937 rng(1);
+  const auto q = random_half(c.T * c.N * c.H, c.dtype, rng), k = random_half(c.S * c.H, c.dtype, rng);
+  std::vector<int32_t> indices(c.T * c.topk);
+  std::uniform_real_distribution<double> unit;
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t j = 0; j < c.topk; ++j)
+      indices[t * c.topk + j] = unit(rng) < 0.01 ? -1 : int32_t(unit(rng) * double(t + c.S - c.T + 1));
+  DeviceBuffer d_q(q.size(), 2), d_k(k.size(), 2), d_idx(indices.size(), 4), d_o(c.T * c.N * c.Hv, 2);
+  DeviceBuffer d_lse(c.T * c.N, 4), d_dist(c.T * (c.N / c.head_group) * c.topk, 4);
+  d_q.upload(q); d_k.upload(k); d_idx.upload(indices);
+  SparseParams g = shape_params(c);
+  g.q = d_q.ptr; g.k = d_k.ptr; g.indices = d_idx.as<int32_t>(); g.o = d_o.ptr; g.lse = d_lse.as<float>();
+  g.dist = d_dist.as<float>();
+  cudaEvent_t start, stop;
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
+  auto time_ms = [&](cudaError_t (*run)(const SparseParams&, cudaStream_t), int reps) {
+    CK(run(g, nullptr));
+    CK(cudaEventRecord(start));
+    for (int i = 0; i < reps; ++i) CK(run(g, nullptr));
+    CK(cudaEventRecord(stop));
+    CK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, start, stop));
+    return double(ms) / reps;
+  };
+  const double fwd_flops = 2.0 * c.topk * (c.H + c.Hv) * c.N * c.T, dist_flops = 2.0 * c.topk * c.H * c.N * c.T;
+  const double tc = time_ms(jfa::sparse_gpu::forward_tensor_cores, 10);
+  const double cc = time_ms(jfa::sparse_gpu::forward_cuda_cores, 1);
+  const double tc_dist = time_ms(jfa::sparse_gpu::attn_dist_tensor_cores, 10);
+  const double cc_dist = time_ms(jfa::sparse_gpu::attn_dist_cuda_cores, 1);
+  printf("bench T %lld S %lld: forward tensor cores %.3f ms (%.1f TFLOP/s), CUDA cores %.3f ms (%.1f)\n",
+         (long long)T, (long long)S, tc, fwd_flops / tc * 1e-9, cc, fwd_flops / cc * 1e-9);
+  printf("bench T %lld S %lld: attn_dist tensor cores %.3f ms (%.1f TFLOP/s), CUDA cores %.3f ms (%.1f)\n",
+         (long long)T, (long long)S, tc_dist, dist_flops / tc_dist * 1e-9, cc_dist, dist_flops / cc_dist * 1e-9);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--bench") {
+    bench(4096, 32768);
+    return 0;
+  }
+  const bool small = mode == "--small";
   const char* seed_env = std::getenv("JFA_CHECK_SEED");
   const unsigned seed = seed_env != nullptr ? unsigned(std::strtoul(seed_env, nullptr, 10)) : std::random_device{}();
   printf("seed: %u\n", seed);
@@ -208,11 +289,22 @@ int main(int argc, char** argv) {
       {1, 1, 9, 4, 1, 64, 64, 13, false, false, false, BF, 4},
       {2, 17, 70, 8, 2, 64, 48, 40, false, true, true, FP, 4},
       {1, 9, 5, 4, 4, 32, 32, 7, true, true, false, BF, 2},
+      // 64 heads per CTA (tensor-core attn_dist too), and MLA's dims with a separate V.
+      {1, 3, 90, 64, 1, 64, 64, 70, true, true, true, BF, 64},
+      {1, 2, 100, 64, 1, 576, 512, 40, false, true, true, FP, 64},
   };
   if (!small) {
     cases.push_back({1, 33, 300, 16, 1, 576, 512, 130, true, true, true, BF, 16});
     cases.push_back({2, 64, 64, 8, 2, 128, 128, 64, false, true, false, FP, 8});
     cases.push_back({1, 5, 2000, 128, 1, 576, 512, 2048, true, true, true, BF, 64});
+    // A group of 32 in a 64-row tile; head groups spanning two CTAs (16-row and 64-row).
+    cases.push_back({1, 7, 500, 32, 1, 128, 128, 100, false, true, true, BF, 32});
+    cases.push_back({1, 3, 400, 128, 1, 576, 512, 300, true, true, true, FP, 128});
+    // Padded dims (40 → 64, 192 / 128), and a head dim the tensor-core kernels do not take.
+    cases.push_back({2, 5, 300, 8, 2, 40, 24, 77, false, false, false, BF, 4});
+    cases.push_back({1, 6, 300, 16, 1, 192, 128, 129, false, true, true, BF, 16});
+    cases.push_back({1, 4, 200, 4, 1, 36, 36, 50, true, true, false, FP, 4});
+    cases.push_back({1, 3, 300, 64, 1, 576, 512, 200, false, true, true, BF, 64});
   }
   for (const Case& c : cases) run_case(c, rng);
   printf("%zu cases, %d failures\n", cases.size(), g_failures);
