@@ -25,6 +25,7 @@ import numpy as np
 from . import _ext
 from ._compat import Primitive, apply_primitive, batching, mlir, not_mapped
 from ._partitioning import dim_axes, shard_count, spec_entry
+from ._sparse_xla_backward import xla_backward
 from .primitives import _result, _spec
 
 
@@ -143,6 +144,11 @@ def _cuda_forward(ctx, *args, config):
 
 
 def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
+    if not config.deterministic:
+        # Tensor-core GEMMs through XLA (the backward kernel runs on CUDA cores); XLA's scatter-add
+        # has no fixed order, so deterministic=True keeps the kernel.
+        dq, dk, dv = xla_backward(q, k, v if v.ndim else None, indices, o, lse, do, dlse, config)
+        return dq, dk, (jnp.zeros((), q.dtype) if dv is None else dv)
     B, S, K, H = k.shape
     Hv = config.value_head_dim
     shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),

@@ -6,20 +6,22 @@ import jax
 import jax.numpy as jnp
 
 
-def _gather_rows(x, indices):
+def gather_rows(x, indices):
     """x [B, S, K, D], indices [B, T, K, topk] -> [B, T, K, topk, D] (indices clipped into range)."""
     B, S, K, _ = x.shape
     safe = jnp.clip(indices, 0, max(S - 1, 0))
     return x[jnp.arange(B)[:, None, None, None], safe, jnp.arange(K)[None, None, :, None]]
 
 
-def selection_valid(indices, S, *, is_causal=False, causal_alignment="bottom_right"):
-    """bool [B, T, K, topk]: in [0, S) and, when causal, not after the query's position."""
+def selection_valid(indices, S, *, is_causal=False, causal_alignment="bottom_right", positions=None):
+    """bool [B, T, K, topk]: in [0, S) and, when causal, not after the query's position
+    (`positions` [T], or t, plus S - T when bottom-right)."""
     T = indices.shape[1]
     valid = (indices >= 0) & (indices < S)
     if is_causal:
-        offset = S - T if causal_alignment == "bottom_right" else 0
-        valid &= indices <= jnp.arange(T)[None, :, None, None] + offset
+        if positions is None:
+            positions = jnp.arange(T) + (S - T if causal_alignment == "bottom_right" else 0)
+        valid &= indices <= positions[None, :, None, None]
     return valid
 
 
@@ -28,7 +30,7 @@ def _logits(q, k, indices, scale):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = jnp.asarray(q, jnp.float32).reshape(B, T, K, N // K, H)
-    keys = _gather_rows(jnp.asarray(k, jnp.float32), indices)
+    keys = gather_rows(jnp.asarray(k, jnp.float32), indices)
     return scale * jnp.einsum("btkgh,btkjh->btkgj", q, keys, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -50,7 +52,7 @@ def sparse_attention_reference(q, k, v, indices, *, scale=None, is_causal=False,
     seen = total > 0
     safe_total = jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, jnp.log(safe_total) + m, -jnp.inf)[..., 0]
-    values = _gather_rows(jnp.asarray(v, jnp.float32), indices)
+    values = gather_rows(jnp.asarray(v, jnp.float32), indices)
     out = jnp.einsum("btkgj,btkjd->btkgd", e / safe_total, values, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(B, T, N, v.shape[-1]), lse.reshape(B, T, N)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn as jfa
-from jax_flashattn import _sparse_primitives
+from jax_flashattn import _sparse_primitives, _sparse_xla_backward
 from jax_flashattn.sparse_reference import attn_dist_reference, sparse_attention_reference
 from util import BOUNDS, fresh_seed, rel_err
 
@@ -306,8 +306,53 @@ def test_cuda_lowering(shared_value):
     except RuntimeError as e:
         assert "without its CUDA kernels" in str(e)
         return
-    for target in ("jfa_sparse_fwd", "jfa_sparse_bwd", "jfa_attn_dist"):
+    # deterministic=True (here with the shared value) runs the backward kernel; otherwise the
+    # backward's GEMMs are XLA's (_sparse_xla_backward).
+    for target in ("jfa_sparse_fwd", "jfa_attn_dist") + (("jfa_sparse_bwd",) if shared_value else ()):
         assert target in text
+    assert ("jfa_sparse_bwd" in text) == shared_value
+
+
+# (shape, shared value, causal alignment or None, dtype, block_bytes): one block, blocks that
+# divide T, blocks that leave padding queries, blocks of one query; float16/bfloat16 as on a GPU.
+XLA_BACKWARD_CASES = [
+    ((2, 7, 11, 6, 2, 16, 12, 5), False, "bottom_right", jnp.float32, 1 << 30),
+    ((2, 9, 30, 8, 1, 24, 16, 6), True, "top_left", jnp.float32, 21504),
+    ((1, 13, 5, 3, 3, 20, 20, 7), False, None, jnp.float32, 9000),
+    ((1, 6, 200, 16, 1, 64, 48, 129), True, "bottom_right", jnp.bfloat16, 100000),
+    ((2, 17, 40, 8, 2, 32, 32, 9), False, "bottom_right", jnp.float16, 5000),
+]
+
+
+@pytest.mark.parametrize("shape, shared_value, causal, dtype, block_bytes", XLA_BACKWARD_CASES)
+def test_xla_backward_matches_reference(shape, shared_value, causal, dtype, block_bytes):
+    """The CUDA path's backward (XLA gathers, einsums and scatter-adds per block of queries), run
+    here on the CPU, against the reference's gradients."""
+    B, T, S, N, K, H, Hv, topk = shape
+    seed = fresh_seed()
+    q, k, v, indices, do, dlse = random_case(seed, *shape, dtype=dtype, empty_rows=1)
+    v = None if shared_value else v
+    kw = {} if causal is None else dict(is_causal=True, causal_alignment=causal)
+    config = _sparse_primitives.SparseConfig(scale=H ** -0.5, is_causal=causal is not None,
+                                             bottom_right=causal != "top_left", value_head_dim=Hv,
+                                             deterministic=False)
+
+    def ref(q, k, *v):
+        return sparse_attention_reference(q, k, v[0] if v else None, indices, value_head_dim=Hv, **kw)
+
+    args = (q, k) if shared_value else (q, k, v)
+    (_, r_lse), r_vjp = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+    dlse = jnp.where(jnp.isfinite(r_lse), dlse, 0.0)
+    r_grads = r_vjp((do.astype(jnp.float32), dlse))
+    out, lse = jfa.sparse_attention(q, k, v, indices, value_head_dim=Hv if shared_value else None,
+                                    return_lse=True, **kw)
+    grads = jax.jit(lambda *a: _sparse_xla_backward.xla_backward(*a, config, block_bytes=block_bytes))(
+        q, k, v, indices, out, lse, do, dlse)
+    assert (grads[2] is None) == shared_value
+    _, grad_bound = BOUNDS[dtype]
+    for name, g, r in zip(("dq", "dk", "dv"), [g for g in grads if g is not None], r_grads):
+        assert g.shape == r.shape and g.dtype == dtype, (name, g.shape, r.shape, g.dtype)
+        assert rel_err(g, r) <= grad_bound / 4, f"seed {seed}: {name} error {rel_err(g, r)}"
 
 
 def test_cuda_head_dim_limit_follows_sparse_gpu_h():
@@ -357,12 +402,15 @@ def test_errors_name_the_argument(call, error, words):
 # ---- GPU (skipped without one; JFA_REQUIRE_GPU=1 makes the skip a failure) ------------------------
 
 # (B, T, S, N, K, H, Hv, topk): odd sizes, GQA, T = 1, topk past S, topk not a multiple of the
-# kernels' chunk of 64; the last is DeepSeek V3.2's head dims (MLA: V is key[..., :512]).
+# kernels' steps; DeepSeek V3.2's head dims (MLA: V is key[..., :512]) with 16 heads per key head
+# (16-row tensor-core tiles) and with 128 (64-row tiles); a group of 32 in 64-row tiles.
 GPU_CASES = [
     ((2, 33, 70, 8, 2, 64, 64, 40), False),
     ((1, 1, 9, 4, 1, 128, 128, 13), False),
     ((1, 17, 300, 4, 4, 96, 80, 130), False),
     ((1, 6, 200, 16, 1, 576, 512, 129), True),
+    ((1, 5, 300, 128, 1, 576, 512, 200), True),
+    ((1, 7, 90, 64, 2, 64, 64, 70), False),
 ]
 
 
