@@ -116,7 +116,7 @@ int attn_dist_rows(const SparseParams& p) {
 
 cudaError_t attn_dist_tensor_cores(const SparseParams& p, cudaStream_t stream) {
   const int rows = tc::attn_dist_rows(p);
-  if (!tc::tensor_core_shapes(p) || rows == 0) return cudaErrorNotSupported;
+  if (!tc::tensor_core_shapes(p, /*reads_values=*/false) || rows == 0) return cudaErrorNotSupported;
   const int max_smem = tc::max_dynamic_smem();
   return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using Elem = decltype(tag);

@@ -158,7 +158,7 @@ cudaError_t launch_forward(const SparseParams& p, int max_smem, cudaStream_t str
 }  // namespace tc
 
 cudaError_t forward_tensor_cores(const SparseParams& p, cudaStream_t stream) {
-  if (!tc::tensor_core_shapes(p)) return cudaErrorNotSupported;
+  if (!tc::tensor_core_shapes(p, /*reads_values=*/true)) return cudaErrorNotSupported;
   const int max_smem = tc::max_dynamic_smem();
   return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
     using Elem = decltype(tag);

@@ -67,9 +67,11 @@ struct SmemPlan {
 };
 
 // Whether the tensor-core kernels take a call's dtype and head dims (16-byte row chunks; the
-// largest padded dims built). Other calls run on the CUDA-core kernels.
-inline bool tensor_core_shapes(const SparseParams& p) {
-  return p.dtype != DType::kFloat32 && p.H % 8 == 0 && p.Hv % 8 == 0 && p.H <= 576 && p.Hv <= 512 && p.topk > 0;
+// largest padded dims built); Hv only for a kernel that reads values (attn_dist's calls carry
+// Hv = 1). Other calls run on the CUDA-core kernels.
+inline bool tensor_core_shapes(const SparseParams& p, bool reads_values) {
+  return p.dtype != DType::kFloat32 && p.H % 8 == 0 && p.H <= 576 && p.topk > 0 &&
+         (!reads_values || (p.Hv % 8 == 0 && p.Hv <= 512));
 }
 
 // The shared memory a CTA of the current device can opt in to (0 if the query fails).
