@@ -4,8 +4,9 @@ bytes per second, grouped bars per row).
     python benchmarks/plot_results.py benchmarks/results/2026-11-21-nvidia-h100-80gb-hbm3.csv
     python benchmarks/plot_results.py RESULTS.csv --anchors /work/shared/anchors/2026-11-21-h200.csv
 
-One subplot per (pass, head dim): rows are the passes present (fwd, bwd, fwdbwd), columns the head
-dims of the standard sweep plus one column for the GQA rows (kv_heads < heads) when there are any.
+One subplot per (pass, head dim): rows are the passes present (fwd, bwd, fwdbwd, attn_dist), columns
+the head dims of the standard sweep plus one column for the GQA rows (kv_heads < heads) when there
+are any.
 One line per impl, solid non-causal and dashed causal, x axis log2(seqlen). --anchors overlays rows
 of another CSV with the same columns (e.g. peer timings on another device) as thin grey lines.
 The PNG goes next to the CSV with the same stem unless --out says otherwise.
@@ -16,7 +17,7 @@ import argparse
 import csv
 from pathlib import Path
 
-PASS_ORDER = ("fwd", "bwd", "fwdbwd")
+PASS_ORDER = ("fwd", "bwd", "fwdbwd", "attn_dist")
 IMPL_COLORS = {"jax_flashattn": "tab:red", "jax_flashattn_sm80": "tab:orange", "cudnn": "tab:blue",
                "xla": "tab:gray", "fa3": "tab:green", "torch_cudnn": "tab:purple", "torch_fa2": "tab:brown"}
 ANCHOR_MARKERS = ("x", "+", "1", "2", "3", "4")
@@ -27,8 +28,9 @@ def read_rows(path) -> list[dict]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
-        for name in ("hdim", "seqlen", "batch", "heads", "kv_heads", "causal"):
+        for name in ("hdim", "seqlen", "batch", "heads", "kv_heads"):
             row[name] = int(row[name])
+        row["causal"] = row["causal"] in ("1", "True")  # (bench_sparse.py writes True/False)
         row["ms"], row["tflops"] = float(row["ms"]), float(row["tflops"])
     return rows
 
@@ -72,7 +74,7 @@ def plot_csv(csv_path, png_path=None, anchors_path=None) -> Path:
                       for i, impl in enumerate(sorted({r["impl"] for r in anchors}))}
 
     fig, axes = plt.subplots(len(passes), len(columns), squeeze=False, sharex=True,
-                             figsize=(4.2 * len(columns), 3.4 * len(passes)))
+                             figsize=(max(4.2 * len(columns), 6.5), 3.4 * len(passes)))
     for i, pass_name in enumerate(passes):
         for j, column in enumerate(columns):
             ax = axes[i][j]
@@ -91,7 +93,7 @@ def plot_csv(csv_path, png_path=None, anchors_path=None) -> Path:
             ax.grid(True, which="both", alpha=0.3)
             ax.set_title(f"{pass_name} · {column}", fontsize=10)
             if i == len(passes) - 1:
-                ax.set_xlabel("sequence length (T = S)")
+                ax.set_xlabel("keys S (the dense sweeps: T = S)")
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
 
