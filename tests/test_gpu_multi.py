@@ -3,7 +3,8 @@ programs with no collective and give the one-GPU result; context_parallel_attent
 GPU (ring and all_gather, causal load-balanced and not, GQA, chunks that are not whole tiles)
 matches the float32 reference, forward and gradients, as the one-GPU call does; windows, ALiBi,
 lengths, documents spanning GPUs and dropout cross the GPUs through the kernels' positions and give
-the one-GPU call's result (the same dropout mask)."""
+the one-GPU call's result (the same dropout mask); top-k sparse attention split over batch and
+heads runs with no collective."""
 from __future__ import annotations
 
 import re
@@ -126,3 +127,42 @@ def test_context_parallel_positions_match_one_gpu(gpus, strategy):
         err = rel_err(got, whole[i])
         # A different dropout mask or position would differ by tens of percent.
         assert err <= (out_bound if i == 0 else grad_bound) / 2, f"seed {seed}: {name} {strategy} {err:.2e}"
+
+
+@pytest.mark.parametrize("split", ["batch", "heads"])
+def test_sparse_attention_splits_run_without_collectives(gpus, split):
+    """sparse_attention split over batch (MLA's shapes, V the key's first columns) or over whole GQA
+    groups of heads (a separate V): the tensor-core forward and the backward's XLA gathers, einsums
+    and scatter-adds run on each GPU's slice with no collective and give the one-GPU values (the
+    scatter-adds' float32 order is not fixed, hence a bound rather than equality)."""
+    seed, n = fresh_seed(), len(gpus)
+    rng = np.random.default_rng(seed)
+    shared = split == "batch"
+    if shared:
+        (B, T, S, N, K, H, Hv, topk), spec = (2 * n, 65, 300, 64, 1, 576, 512, 200), P("d")
+    else:
+        (B, T, S, N, K, H, Hv, topk), spec = (1, 65, 300, 32 * n, 2 * n, 128, 128, 130), P(None, None, "d")
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), BF16)  # noqa: E731
+    q, k, v, do = normal(B, T, N, H), normal(B, S, K, H), normal(B, S, K, Hv), normal(B, T, N, Hv)
+    indices = jnp.asarray(rng.integers(-8, S + 8, (B, T, K, topk)).astype(np.int32))
+
+    def attention(q, k, v, indices):
+        value = None if shared else v
+        return jfa.sparse_attention(q, k, value, indices, value_head_dim=Hv if shared else None, is_causal=True)
+
+    @jax.jit
+    def step(q, k, v, indices, do):
+        out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, indices), q, k, v)
+        return (out,) + pullback(do)
+
+    sharding = NamedSharding(Mesh(np.array(gpus), ("d",)), spec)
+    placed = [jax.device_put(x, sharding) for x in (q, k, v, indices, do)]
+    hlo = step.lower(*placed).compile().as_text()
+    assert not COLLECTIVE.findall(hlo), f"{split} split: {sorted(set(COLLECTIVE.findall(hlo)))}"
+    results = step(*placed)
+    whole = step(*(jax.device_put(x, gpus[0]) for x in (q, k, v, indices, do)))
+    for name, got, want in zip(["out", "dq", "dk", "dv"], results, whole):
+        if name == "dv" and shared:
+            continue  # V is part of K: its gradient is in dk, dv is zeros
+        assert got.sharding.is_equivalent_to(sharding, got.ndim), name
+        assert rel_err(got, want) <= 1e-2, f"seed {seed}: {name} {split} split vs one GPU: {rel_err(got, want)}"
