@@ -4,7 +4,6 @@
 // CTA adds the result to its group's output row. A group spans at most two CTAs, and 0 + a + b is
 // b + a exactly, so the output does not depend on which CTA adds first.
 #include <cmath>
-#include <type_traits>
 
 #include "sparse/device_common.cuh"
 #include "sparse/sparse_gpu.h"
@@ -118,23 +117,19 @@ cudaError_t attn_dist_tensor_cores(const SparseParams& p, cudaStream_t stream) {
   const int rows = tc::attn_dist_rows(p);
   if (!tc::tensor_core_shapes(p, /*reads_values=*/false) || rows == 0) return cudaErrorNotSupported;
   const int max_smem = tc::max_dynamic_smem();
-  return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  return tc::dispatch_half_dtype(p.dtype, [&](auto tag) {
     using Elem = decltype(tag);
-    if constexpr (std::is_same_v<Elem, float>) {
-      return cudaErrorNotSupported;
-    } else {
-      return tc::dispatch_qk_dim(p.H, [&](auto qk) -> cudaError_t {
-        // (The value dims are unused: attn_dist reads no values.) Three stages where they fit.
-        if (rows == 64) {
-          const cudaError_t e = tc::launch_attn_dist<tc::TileShape<qk(), qk(), 4, 3>, Elem>(p, max_smem, stream);
-          if (e != cudaErrorNotSupported) return e;
-          return tc::launch_attn_dist<tc::TileShape<qk(), qk(), 4, 2>, Elem>(p, max_smem, stream);
-        }
-        const cudaError_t e = tc::launch_attn_dist<tc::TileShape<qk(), qk(), 1, 3>, Elem>(p, max_smem, stream);
-        if (e != cudaErrorNotSupported) return e;
-        return tc::launch_attn_dist<tc::TileShape<qk(), qk(), 1, 2>, Elem>(p, max_smem, stream);
-      });
-    }
+    return tc::dispatch_qk_dim(p.H, [&](auto qk) {
+      // (The value dims are unused: attn_dist reads no values.) Three stages where they fit.
+      auto launch = [&](auto shape) {
+        return tc::launch_attn_dist<decltype(shape), Elem>(p, max_smem, stream);
+      };
+      if (rows == 64)
+        return tc::first_taken([&] { return launch(tc::TileShape<qk(), qk(), 4, 3>{}); },
+                               [&] { return launch(tc::TileShape<qk(), qk(), 4, 2>{}); });
+      return tc::first_taken([&] { return launch(tc::TileShape<qk(), qk(), 1, 3>{}); },
+                             [&] { return launch(tc::TileShape<qk(), qk(), 1, 2>{}); });
+    });
   });
 }
 

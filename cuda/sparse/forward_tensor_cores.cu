@@ -3,7 +3,6 @@
 // domain and O += P·V, P taken from the logits' registers (their fragment layout is the A operand's)
 // and V from the gathered rows (the key rows themselves when V is the first Hv columns of K).
 #include <cmath>
-#include <type_traits>
 
 #include "sparse/device_common.cuh"
 #include "sparse/sparse_gpu.h"
@@ -160,24 +159,21 @@ cudaError_t launch_forward(const SparseParams& p, int max_smem, cudaStream_t str
 cudaError_t forward_tensor_cores(const SparseParams& p, cudaStream_t stream) {
   if (!tc::tensor_core_shapes(p, /*reads_values=*/true)) return cudaErrorNotSupported;
   const int max_smem = tc::max_dynamic_smem();
-  return dispatch_dtype(p.dtype, [&](auto tag) -> cudaError_t {
+  // 64 heads per CTA where the group has more than 16, else (or where 64 do not fit in shared
+  // memory: a separate V on an A100) 16; three stages where they fit, else two.
+  const bool wide = p.group_size() > 16;
+  return tc::dispatch_half_dtype(p.dtype, [&](auto tag) {
     using Elem = decltype(tag);
-    if constexpr (std::is_same_v<Elem, float>) {
-      return cudaErrorNotSupported;
-    } else {
-      return tc::dispatch_dims(p.H, p.Hv, [&](auto qk, auto v) {
-        // 64 heads per CTA where the group has more than 16, else (or where 64 do not fit in
-        // shared memory: a separate V on an A100) 16; three stages where they fit, else two.
-        cudaError_t e = cudaErrorNotSupported;
-        if (p.group_size() > 16) {
-          e = tc::launch_forward<tc::TileShape<qk(), v(), 4, 3>, Elem>(p, max_smem, stream);
-          if (e == cudaErrorNotSupported) e = tc::launch_forward<tc::TileShape<qk(), v(), 4, 2>, Elem>(p, max_smem, stream);
-        }
-        if (e == cudaErrorNotSupported) e = tc::launch_forward<tc::TileShape<qk(), v(), 1, 3>, Elem>(p, max_smem, stream);
-        if (e == cudaErrorNotSupported) e = tc::launch_forward<tc::TileShape<qk(), v(), 1, 2>, Elem>(p, max_smem, stream);
-        return e;
-      });
-    }
+    return tc::dispatch_dims(p.H, p.Hv, [&](auto qk, auto v) {
+      auto launch = [&](auto shape) {
+        return tc::launch_forward<decltype(shape), Elem>(p, max_smem, stream);
+      };
+      auto if_wide = [&](auto shape) { return wide ? launch(shape) : cudaErrorNotSupported; };
+      return tc::first_taken([&] { return if_wide(tc::TileShape<qk(), v(), 4, 3>{}); },
+                             [&] { return if_wide(tc::TileShape<qk(), v(), 4, 2>{}); },
+                             [&] { return launch(tc::TileShape<qk(), v(), 1, 3>{}); },
+                             [&] { return launch(tc::TileShape<qk(), v(), 1, 2>{}); });
+    });
   });
 }
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "jfa/sparse_params.h"
+#include "sparse/device_common.cuh"
 #include "sparse/mma.cuh"
 
 namespace jfa::sparse_gpu::tc {
@@ -81,6 +82,26 @@ inline int max_dynamic_smem() {
       cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
     return 0;
   return bytes;
+}
+
+// Calls launch(Elem{}) for a float16 / bfloat16 call; float32 calls are not the tensor cores'.
+template <typename Launch>
+inline cudaError_t dispatch_half_dtype(DType dtype, Launch&& launch) {
+  return dispatch_dtype(dtype, [&](auto tag) -> cudaError_t {
+    if constexpr (std::is_same_v<decltype(tag), float>) {
+      return cudaErrorNotSupported;
+    } else {
+      return launch(tag);
+    }
+  });
+}
+
+// Runs the launches in order until one takes the call (returns other than cudaErrorNotSupported).
+template <typename... Launches>
+inline cudaError_t first_taken(Launches&&... launches) {
+  cudaError_t e = cudaErrorNotSupported;
+  ((e = e == cudaErrorNotSupported ? launches() : e), ...);
+  return e;
 }
 
 // The head dims of the kernels built: (q/k, v), each call taking the first pair that covers it.
@@ -152,7 +173,7 @@ struct StepLoader {
   const TileItem& it;
   const int32_t* indices;  // the (query, key head) row of topk indices
   int key, first_chunk;
-  int32_t next_index = -1;  // index of this thread's row in step `next_step`
+  int32_t next_index = -1;  // index of this thread's row in the step fetch_index() read last
 
   __device__ __forceinline__ StepLoader(const SparseParams& p_, const TileItem& it_)
       : p(p_), it(it_), indices(p_.indices + p_.index_row(it_.b, it_.t, it_.kh)),
