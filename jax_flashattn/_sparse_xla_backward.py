@@ -13,6 +13,8 @@ Blocks bound the memory: the gathered rows and float32 temporaries of one block 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +41,9 @@ def xla_backward(q, k, v, indices, o, lse, do, dlse, config, *, block_bytes=1 <<
     S, K = k.shape[1], k.shape[2]
     G, topk, Hv = N // K, indices.shape[-1], config.value_head_dim
     dtype, f32 = q.dtype, jnp.float32
+    # float32 inputs keep float32 products (XLA's default may round them to TF32 on a GPU).
+    einsum = partial(jnp.einsum, preferred_element_type=f32,
+                     precision=jax.lax.Precision.HIGHEST if dtype == f32 else None)
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1) - dlse  # D = rowsum(dO∘O) − dLSE
     size = _block_size(B, T, N, K, topk, H, Hv, jnp.dtype(dtype).itemsize, block_bytes)
     blocks = -(-T // size)
@@ -55,14 +60,14 @@ def xla_backward(q, k, v, indices, o, lse, do, dlse, config, *, block_bytes=1 <<
         qg, dog = qb.reshape(B, size, K, G, H), dob.reshape(B, size, K, G, Hv)
         lse_g = lseb.reshape(B, size, K, G, 1)
         live = valid[:, :, :, None, :] & jnp.isfinite(lse_g)
-        logits = config.scale * jnp.einsum("btkgh,btkjh->btkgj", qg, rows_k, preferred_element_type=f32)
+        logits = config.scale * einsum("btkgh,btkjh->btkgj", qg, rows_k)
         p = jnp.where(live, jnp.exp(jnp.where(live, logits - lse_g, 0.0)), 0.0)
-        dp = jnp.einsum("btkgd,btkjd->btkgj", dog, rows_v, preferred_element_type=f32)
+        dp = einsum("btkgd,btkjd->btkgj", dog, rows_v)
         ds = (p * (dp - deltab.reshape(B, size, K, G, 1))).astype(dtype)
-        dq = config.scale * jnp.einsum("btkgj,btkjh->btkgh", ds, rows_k, preferred_element_type=f32)
+        dq = config.scale * einsum("btkgj,btkjh->btkgh", ds, rows_k)
         # Invalid slots have P = dS = 0: their rows (clipped into range) get zeros added.
-        dk_rows = config.scale * jnp.einsum("btkgj,btkgh->btkjh", ds, qg, preferred_element_type=f32)
-        dv_rows = jnp.einsum("btkgj,btkgd->btkjd", p.astype(dtype), dog, preferred_element_type=f32)
+        dk_rows = config.scale * einsum("btkgj,btkgh->btkjh", ds, qg)
+        dv_rows = einsum("btkgj,btkgd->btkjd", p.astype(dtype), dog)
         slots = jnp.clip(idxb, 0, S - 1)
         if v is None:
             dk_rows = dk_rows + jnp.pad(dv_rows, [(0, 0)] * 4 + [(0, H - Hv)])

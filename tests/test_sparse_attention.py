@@ -426,6 +426,15 @@ def test_gpu_matches_reference(shape, shared_value, causal, deterministic, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+def test_gpu_float32_matches_reference(deterministic):
+    """float32 on the GPU: the CUDA-core forward, and a backward at float32's bounds (the XLA form's
+    products in full float32, not TF32)."""
+    check_against_reference(fresh_seed(), (2, 9, 40, 8, 2, 64, 48, 21), dtype=jnp.float32, empty_rows=1,
+                            is_causal=True, deterministic=deterministic)
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic_gradients_are_bitwise_repeatable():
     q, k, v, indices, do, _ = random_case(fresh_seed(), 1, 40, 50, 8, 1, 64, 64, 37, dtype=jnp.bfloat16)
     # Every query selects the same few keys: many adds per key row, where order matters most.
