@@ -1,5 +1,7 @@
 """Pure-jnp float32 references of top-k sparse attention and attn_dist, written from the
-definition: gather the selected rows, then a dense softmax over them (memory T·topk·H: tests only)."""
+definition: gather the selected rows, then a dense softmax over them (memory T·topk·H: tests only).
+The row gather and the slot validity rule also serve the CUDA backward's XLA form, per block of
+queries (_sparse_xla_backward.py)."""
 from __future__ import annotations
 
 import jax
