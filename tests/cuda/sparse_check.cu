@@ -232,7 +232,7 @@ void run_case(const Case& c, std::mt19937& rng) {
 }
 
 // Times the tensor-core forward and attn_dist at DeepSeek V3.2's shapes (N 128, K 1, H 576, Hv 512,
-// topk 2048, causal bottom-right, about 1 % of slots -1), FLOPs as benchmarks/bench_sparse.py counts
+// topk 2048, causal bottom-right, one slot in a hundred -1), FLOPs as benchmarks/bench_sparse.py counts
 // them. A quick look without JAX; bench_sparse.py is the benchmark.
 void bench(int64_t T, int64_t S) {
   Case c{1, T, S, 128, 1, 576, 512, 2048, true, true, true, DType::kBFloat16, 64};
