@@ -4,7 +4,8 @@
 // forward() and attn_dist() run tensor-core kernels (sm80 mma.sync) where they take the call:
 // float16/bfloat16, H and Hv multiples of 8 up to 576 and 512, the tiles within the device's shared
 // memory (attn_dist: head groups of 16, 32, 64 or 128 within a key head's group). Other calls run
-// portable CUDA-core kernels (float32 too, any size). The backward is CUDA-core only.
+// portable CUDA-core kernels (float32 too, any size). The backward is CUDA-core only: jax_flashattn
+// runs it for deterministic=True and otherwise computes the gradients with XLA (_sparse_xla_backward.py).
 // Every index is tested with sparse_index_valid before the key or value row it names is read.
 #pragma once
 
