@@ -48,6 +48,36 @@ int64_t cuda_paged_page_rows(int64_t H) {
 #endif
 }
 
+#ifdef JFA_HAS_SM90
+// Compute capability (major * 10 + minor) of the current device, queried once per device: an
+// attribute query, never a synchronization, so the handler stays cheap and CUDA-graph safe.
+static int device_capability() {
+  static std::atomic<int> cache[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  int cap = cache[device].load(std::memory_order_relaxed);
+  if (cap == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    cap = major * 10 + minor;
+    cache[device].store(cap, std::memory_order_relaxed);
+  }
+  return cap;
+}
+
+// The kernels for this call: the Hopper ones on a compute capability 9.0 device when they were
+// built for (dtype, head dim) and take the call, else the portable ones. JFA_FORCE_SM80=1 forces
+// the portable kernels. It is read at every dispatch (a getenv, no allocation), so one process can
+// time both (benchmarks/bench_attention.py sets it around its jax_flashattn_sm80 rows); a jitted
+// function captured into a CUDA graph keeps the kernels it was captured with.
+bool hopper_allowed() {
+  const char* force = std::getenv("JFA_FORCE_SM80");
+  const bool forced = force != nullptr && std::strcmp(force, "1") == 0;
+  return !forced && device_capability() == 90;
+}
+#endif
+
 namespace {
 
 namespace ffi = xla::ffi;
@@ -87,35 +117,6 @@ ffi::Error check_cuda_support(const AttentionParams& p) {
   return ffi::Error::Success();
 }
 
-#ifdef JFA_HAS_SM90
-// Compute capability (major * 10 + minor) of the current device, queried once per device: an
-// attribute query, never a synchronization, so the handler stays cheap and CUDA-graph safe.
-int device_capability() {
-  static std::atomic<int> cache[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int cap = cache[device].load(std::memory_order_relaxed);
-  if (cap == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cap = major * 10 + minor;
-    cache[device].store(cap, std::memory_order_relaxed);
-  }
-  return cap;
-}
-
-// The kernels for this call: the Hopper ones on a compute capability 9.0 device when they were
-// built for (dtype, head dim) and take the call, else the portable ones. JFA_FORCE_SM80=1 forces
-// the portable kernels. It is read at every dispatch (a getenv, no allocation), so one process can
-// time both (benchmarks/bench_attention.py sets it around its jax_flashattn_sm80 rows); a jitted
-// function captured into a CUDA graph keeps the kernels it was captured with.
-bool hopper_allowed() {
-  const char* force = std::getenv("JFA_FORCE_SM80");
-  const bool forced = force != nullptr && std::strcmp(force, "1") == 0;
-  return !forced && device_capability() == 90;
-}
-#endif
 
 cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
 #ifdef JFA_HAS_SM90

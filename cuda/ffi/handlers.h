@@ -28,5 +28,10 @@ int64_t cuda_accum_cols(int64_t H);
 // head dim H, or 0 where no Hopper kernel runs H (module.cc exports it; the CUDA forward handler
 // refuses the other paged calls).
 int64_t cuda_paged_page_rows(int64_t H);
+#ifdef JFA_HAS_SM90
+// Whether calls may run on the Hopper kernels: a compute capability 9.0 device, and
+// JFA_FORCE_SM80 not 1 (cuda_handlers.cc).
+bool hopper_allowed();
+#endif
 }  // namespace jfa
 #endif

@@ -9,6 +9,9 @@
 #include "ffi/handlers.h"
 #include "ffi/sparse_call.h"
 #include "sparse/sparse_gpu.h"
+#ifdef JFA_HAS_SM90
+#include "sm90/api.h"
+#endif
 
 namespace jfa {
 namespace {
@@ -52,6 +55,10 @@ ffi::Error SparseForwardCuda(SparseForwardCall c) {
   SparseParams p;
   if (auto e = ffi_decode::decode_sparse_forward_call(c, &p); e.failure()) return e;
   if (auto e = check_head_dims(p); e.failure()) return e;
+#ifdef JFA_HAS_SM90
+  if (hopper_allowed() && sm90::can_implement_sparse_forward(p))
+    return launched(sm90::sparse_forward(p, c.stream), "sparse attention forward (Hopper)");
+#endif
   return launched(sparse_gpu::forward(p, c.stream), "sparse attention forward");
 }
 

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include "jfa/params.h"
+#include "jfa/sparse_params.h"
 
 namespace jfa::sm90 {
 
@@ -52,5 +53,14 @@ bool can_implement_backward(const AttentionParams& p);
 // p.softmax_d and p.lse_log2 (params.h);
 // p.dlse may be null. cudaErrorNotSupported where !can_implement_backward(p).
 cudaError_t backward(const AttentionParams& p, cudaStream_t stream);
+
+// Top-k sparse attention (jax_flashattn.sparse_attention) forward on wgmma, sparse_fwd_kernel.h:
+// whether it takes the call (float16/bfloat16, MLA's shape H 576 with V the first Hv = 512
+// columns of the key rows, query heads per key head a multiple of 64, 16-byte aligned q, k, o),
+// and the launch, which writes p.o and p.lse (cudaErrorNotSupported, nothing launched, for calls
+// it does not take or a device without the shared memory it needs). Other calls run on
+// cuda/sparse's kernels.
+bool can_implement_sparse_forward(const SparseParams& p);
+cudaError_t sparse_forward(const SparseParams& p, cudaStream_t stream);
 
 }  // namespace jfa::sm90

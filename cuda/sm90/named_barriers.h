@@ -43,4 +43,9 @@ enum : int {
   kBwdBarMainloopDone = 8, kBwdBarDqTurn = 9
 };
 
+// Top-k sparse forward (sparse_fwd_kernel.h), between its two consumer warpgroups: warpgroup 0
+// published its running max, warpgroup 1 the joint one; each one's P is in shared memory; both
+// softmax sums are.
+enum : int { kSparseBarMax0 = 1, kSparseBarMax1 = 2, kSparseBarP0 = 3, kSparseBarP1 = 4, kSparseBarSums = 5 };
+
 }  // namespace jfa::sm90
