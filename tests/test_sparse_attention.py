@@ -403,13 +403,15 @@ def test_errors_name_the_argument(call, error, words):
 
 # (B, T, S, N, K, H, Hv, topk): odd sizes, GQA, T = 1, topk past S, topk not a multiple of the
 # kernels' steps; DeepSeek V3.2's head dims (MLA: V is key[..., :512]) with 16 heads per key head
-# (16-row tensor-core tiles) and with 128 (64-row tiles); a group of 32 in 64-row tiles.
+# (16-row tensor-core tiles) and with 128 (64-row tiles; on Hopper the wgmma kernel), and two key
+# heads of 64 with topk one 64-slot block; a group of 32 in 64-row tiles.
 GPU_CASES = [
     ((2, 33, 70, 8, 2, 64, 64, 40), False),
     ((1, 1, 9, 4, 1, 128, 128, 13), False),
     ((1, 17, 300, 4, 4, 96, 80, 130), False),
     ((1, 6, 200, 16, 1, 576, 512, 129), True),
     ((1, 5, 300, 128, 1, 576, 512, 200), True),
+    ((2, 3, 150, 128, 2, 576, 512, 64), True),
     ((1, 7, 90, 64, 2, 64, 64, 70), False),
 ]
 

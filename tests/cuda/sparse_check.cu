@@ -10,8 +10,14 @@
 //     cuda/cpu/sparse_forward.cc cuda/cpu/sparse_backward.cc cuda/cpu/tiles.cc cuda/cpu/parallel_for.cc \
 //     -o /tmp/sparse_check
 //   /tmp/sparse_check [--small | --bench]
+//
+// With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward too: add the compiled
+// cuda/sm90/sparse_fwd.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// --expt-relaxed-constexpr -isystem <CuTe include> -c) to the link. JFA_SPARSE_CHECK_HOPPER=0
+// leaves it out of a run (racecheck: docs/sparse-attention.md#checks).
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +25,9 @@
 #include "check_util.h"
 #include "cpu/sparse_attention.h"
 #include "sparse/sparse_gpu.h"
+#ifdef JFA_SPARSE_CHECK_SM90
+#include "sm90/api.h"
+#endif
 
 using jfa::DType;
 using jfa::SparseParams;
@@ -124,6 +133,15 @@ struct Kernel {
   cudaError_t (*run)(const SparseParams&, cudaStream_t);
 };
 
+#ifdef JFA_SPARSE_CHECK_SM90
+// The Hopper forward, or cudaErrorNotSupported (a skipped kernel) under JFA_SPARSE_CHECK_HOPPER=0.
+cudaError_t hopper_forward(const SparseParams& p, cudaStream_t stream) {
+  const char* run = std::getenv("JFA_SPARSE_CHECK_HOPPER");
+  if (run != nullptr && std::string(run) == "0") return cudaErrorNotSupported;
+  return jfa::sm90::sparse_forward(p, stream);
+}
+#endif
+
 // Runs `kernel` and waits for it; false (and a note) when it does not take the call.
 bool launched(const Kernel& kernel, const SparseParams& g, const Case& c) {
   const cudaError_t e = kernel.run(g, nullptr);
@@ -175,8 +193,12 @@ void run_case(const Case& c, std::mt19937& rng) {
   g.q = d_q.ptr; g.k = d_k.ptr; g.v = c.shared_value ? nullptr : d_v.ptr; g.indices = d_idx.as<int32_t>();
   g.o = d_o.ptr; g.lse = d_lse.as<float>();
   // Both forward kernels: the tensor-core one where it takes the call, and the CUDA-core one.
-  for (const Kernel& kernel : {Kernel{"tensor-core forward", jfa::sparse_gpu::forward_tensor_cores},
-                               Kernel{"CUDA-core forward", jfa::sparse_gpu::forward_cuda_cores}}) {
+  for (const Kernel& kernel : {
+#ifdef JFA_SPARSE_CHECK_SM90
+           Kernel{"Hopper forward", hopper_forward},
+#endif
+           Kernel{"tensor-core forward", jfa::sparse_gpu::forward_tensor_cores},
+           Kernel{"CUDA-core forward", jfa::sparse_gpu::forward_cuda_cores}}) {
     d_o.poison();
     d_lse.poison();
     if (!launched(kernel, g, c)) continue;
@@ -263,6 +285,11 @@ void bench(int64_t T, int64_t S) {
     return double(ms) / reps;
   };
   const double fwd_flops = 2.0 * c.topk * (c.H + c.Hv) * c.N * c.T, dist_flops = 2.0 * c.topk * c.H * c.N * c.T;
+#ifdef JFA_SPARSE_CHECK_SM90
+  const double hopper = time_ms(jfa::sm90::sparse_forward, 10);
+  printf("bench T %lld S %lld: forward Hopper %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, hopper,
+         fwd_flops / hopper * 1e-9);
+#endif
   const double tc = time_ms(jfa::sparse_gpu::forward_tensor_cores, 10);
   const double cc = time_ms(jfa::sparse_gpu::forward_cuda_cores, 1);
   const double tc_dist = time_ms(jfa::sparse_gpu::attn_dist_tensor_cores, 10);
@@ -296,6 +323,10 @@ int main(int argc, char** argv) {
       // separate V.
       {1, 3, 90, 64, 1, 64, 20, 70, false, true, true, BF, 64},
       {1, 2, 100, 64, 1, 576, 512, 40, false, true, true, FP, 64},
+      // MLA's shared latent rows: one block of valid slots (the pair's second empty), and two key
+      // heads of 64 query heads each with a partial last pair.
+      {1, 3, 100, 64, 1, 576, 512, 40, true, true, true, BF, 64},
+      {2, 3, 200, 128, 2, 576, 512, 129, true, false, false, FP, 64},
   };
   if (!small) {
     cases.push_back({1, 33, 300, 16, 1, 576, 512, 130, true, true, true, BF, 16});
