@@ -283,16 +283,22 @@ struct Consumer {
     }
   }
 
+  // Multiplies the accumulator elements of this thread's row r (of its two) by factor.
+  template <typename Accumulator>
+  __forceinline__ __device__ static void scale_row(Accumulator& acc, int r, float factor) {
+    CUTE_UNROLL
+    for (int e = 2 * r; e < size(acc); e += 4) {
+      acc(e) *= factor;
+      acc(e + 1) *= factor;
+    }
+  }
+
   // P = exp2(S − new_max) into p_regs; O and the sum rescaled from row_max to new_max.
   __forceinline__ __device__ void softmax(const float (&new_max)[2]) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const float correction = exp2f(row_max[r] - new_max[r]);
-      CUTE_UNROLL
-      for (int e = 2 * r; e < size(o); e += 4) {
-        o(e) *= correction;
-        o(e + 1) *= correction;
-      }
+      scale_row(o, r, correction);
       float sum = 0.f;
       CUTE_UNROLL
       for (int e = 2 * r; e < size(s); e += 4) {
@@ -330,16 +336,8 @@ struct Consumer {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const float correction = exp2f(row_max[r] - new_max[r]);
-      CUTE_UNROLL
-      for (int e = 2 * r; e < size(s); e += 4) {
-        s(e) *= correction;
-        s(e + 1) *= correction;
-      }
-      CUTE_UNROLL
-      for (int e = 2 * r; e < size(o); e += 4) {
-        o(e) *= correction;
-        o(e + 1) *= correction;
-      }
+      scale_row(s, r, correction);
+      scale_row(o, r, correction);
       row_sum[r] *= correction;
       row_max[r] = new_max[r];
     }
