@@ -117,7 +117,6 @@ ffi::Error check_cuda_support(const AttentionParams& p) {
   return ffi::Error::Success();
 }
 
-
 cudaError_t forward_dispatch(const AttentionParams& p, cudaStream_t stream) {
 #ifdef JFA_HAS_SM90
   if (hopper_allowed() && sm90::can_implement(p)) return sm90::forward(p, stream);

@@ -56,8 +56,11 @@ ffi::Error SparseForwardCuda(SparseForwardCall c) {
   if (auto e = ffi_decode::decode_sparse_forward_call(c, &p); e.failure()) return e;
   if (auto e = check_head_dims(p); e.failure()) return e;
 #ifdef JFA_HAS_SM90
-  if (hopper_allowed() && sm90::can_implement_sparse_forward(p))
-    return launched(sm90::sparse_forward(p, c.stream), "sparse attention forward (Hopper)");
+  // A Hopper device without the kernel's shared memory (none known) falls through.
+  if (hopper_allowed() && sm90::can_implement_sparse_forward(p)) {
+    const cudaError_t e = sm90::sparse_forward(p, c.stream);
+    if (e != cudaErrorNotSupported) return launched(e, "sparse attention forward (Hopper)");
+  }
 #endif
   return launched(sparse_gpu::forward(p, c.stream), "sparse attention forward");
 }
