@@ -25,9 +25,9 @@ using namespace cute;
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
-// The running max before any valid slot: finite, so that exp2(max − new max) is 1 and a masked
-// logit's exp2(−inf − max) is 0 rather than NaN while a row has seen nothing.
-inline constexpr float kNoMax = -1e30f;
+// The exponent base for a row max: a row that has seen no valid slot yet (max −inf) takes 0, so
+// that exp2(−inf − base) is 0 rather than NaN, for any finite logit however large.
+__forceinline__ __device__ float exp_base(float max) { return max == -INFINITY ? 0.f : max; }
 
 // Where a CTA's work lies: query (b, t), key head kh, query heads n0 … n0 + 63.
 struct SparseTile {
@@ -172,12 +172,19 @@ struct Consumer {
   decltype(partition_fragment_C(PvMmaOwnP{}, Shape<_64, _256>{})) o;
   decltype(partition_fragment_C(QkMma{}, Shape<_64, _64>{})) s;
   decltype(make_tensor<Element>(partition_shape_A(PvMmaOwnP{}, Shape<_64, _64>{}))) p_regs;
-  float row_max[2] = {kNoMax, kNoMax};  // log2 units (scale·log2(e)·q·k)
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units (scale·log2(e)·q·k)
   float row_sum[2] = {0.f, 0.f};        // this thread's share, under row_max
 
   __forceinline__ __device__ Consumer(const SparseParams& p_, const SparseTile& tile_, typename Traits::SharedStorage& smem_, int wg_)
       : p(p_), tile(tile_), smem(smem_), wg(wg_), tid(threadIdx.x % 128), scale_log2(p_.scale * kLog2e) {
     clear(o);
+  }
+
+  // Waits until the gatherer's cp.async copies behind `ready` have landed. They are generic-proxy
+  // writes and wgmma reads through the async proxy: the proxy fence orders the two.
+  __forceinline__ __device__ static void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
+    ready.wait(phase);
+    cutlass::arch::fence_view_async_shared();
   }
 
   // Issues S (+)= Q·Kᵀ over tiles [kFirst, kLast) of block buffer j (no commit).
@@ -297,13 +304,14 @@ struct Consumer {
   __forceinline__ __device__ void softmax(const float (&new_max)[2]) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const float correction = exp2f(row_max[r] - new_max[r]);
+      const float base = exp_base(new_max[r]);
+      const float correction = exp2f(row_max[r] - base);
       scale_row(o, r, correction);
       float sum = 0.f;
       CUTE_UNROLL
       for (int e = 2 * r; e < size(s); e += 4) {
-        s(e) = exp2f(s(e) - new_max[r]);
-        s(e + 1) = exp2f(s(e + 1) - new_max[r]);
+        s(e) = exp2f(s(e) - base);
+        s(e + 1) = exp2f(s(e + 1) - base);
         sum += s(e) + s(e + 1);
       }
       row_sum[r] = row_sum[r] * correction + sum;
@@ -335,7 +343,7 @@ struct Consumer {
     const float new_max[2] = {joint.x, joint.y};
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const float correction = exp2f(row_max[r] - new_max[r]);
+      const float correction = exp2f(row_max[r] - exp_base(new_max[r]));
       scale_row(s, r, correction);
       scale_row(o, r, correction);
       row_sum[r] *= correction;
@@ -348,10 +356,10 @@ struct Consumer {
   // pair's at the end of the one before, under the other warpgroup's P·V.
   __forceinline__ __device__ void run_even(int pairs) {
     int phase = 0;
-    smem.q_ready.wait(0);
-    smem.k_ready[0][0].wait(0);
+    wait_gathered(smem.q_ready, 0);
+    wait_gathered(smem.k_ready[0][0], 0);
     issue_qk<0, 4>(0, true);
-    smem.k_ready[0][1].wait(0);
+    wait_gathered(smem.k_ready[0][1], 0);
     issue_qk<4, Traits::kTiles>(0, false);
     warpgroup_commit_batch();
     uint32_t valid = load_valid(0);
@@ -377,12 +385,12 @@ struct Consumer {
       warpgroup_commit_batch();
       phase ^= 1;
       if (pair + 1 < pairs) {
-        smem.k_ready[0][0].wait(phase);
+        wait_gathered(smem.k_ready[0][0], phase);
         issue_qk<0, 4>(0, true);
         warpgroup_commit_batch();
         warpgroup_wait<1>();  // the P·V of block 1 is done: release its value columns
         smem.k_free[1][0].arrive();
-        smem.k_ready[0][1].wait(phase);
+        wait_gathered(smem.k_ready[0][1], phase);
         issue_qk<4, Traits::kTiles>(0, false);
         warpgroup_commit_batch();
         valid = load_valid(2 * pair + 2);
@@ -397,11 +405,11 @@ struct Consumer {
   // Warpgroup 1's pairs.
   __forceinline__ __device__ void run_odd(int pairs) {
     int phase = 0;
-    smem.q_ready.wait(0);
+    wait_gathered(smem.q_ready, 0);
     for (int pair = 0; pair < pairs; ++pair) {
-      smem.k_ready[1][1].wait(phase);
+      wait_gathered(smem.k_ready[1][1], phase);
       issue_qk<4, Traits::kTiles>(1, true);
-      smem.k_ready[1][0].wait(phase);
+      wait_gathered(smem.k_ready[1][0], phase);
       issue_qk<0, 4>(1, false);
       warpgroup_commit_batch();
       const uint32_t valid = load_valid(2 * pair + 1);
@@ -415,9 +423,9 @@ struct Consumer {
       softmax(new_max);
       publish_max();
       bar_arrive(kSparseBarMax1, kConsumerThreads);
+      store_p(p_buffer(1));  // before the P·V that reads the same registers is in flight
       issue_pv_own(1);
       warpgroup_commit_batch();
-      store_p(p_buffer(1));
       bar_sync(kSparseBarP0, kConsumerThreads);
       issue_pv_other(p_buffer(0), 0);
       warpgroup_commit_batch();
