@@ -63,4 +63,11 @@ cudaError_t backward(const AttentionParams& p, cudaStream_t stream);
 bool can_implement_sparse_forward(const SparseParams& p);
 cudaError_t sparse_forward(const SparseParams& p, cudaStream_t stream);
 
+// attn_dist (jax_flashattn.attn_dist) on wgmma, sparse_dist_kernel.h: whether it takes the call
+// (the forward's shapes without a value operand: float16/bfloat16, H 576, query heads per key head
+// a multiple of 64, head_group 64 or 128, 16-byte aligned q and k), and the launch, which zeroes
+// and writes p.dist (cudaErrorNotSupported, nothing written, for calls it does not take).
+bool can_implement_attn_dist(const SparseParams& p);
+cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream);
+
 }  // namespace jfa::sm90

@@ -48,4 +48,8 @@ enum : int {
 // softmax sums are.
 enum : int { kSparseBarMax0 = 1, kSparseBarMax1 = 2, kSparseBarP0 = 3, kSparseBarP1 = 4, kSparseBarSums = 5 };
 
+// Top-k attn_dist (sparse_dist_kernel.h): within consumer warpgroup w, its warps' column sums of a
+// block are in shared memory.
+enum : int { kSparseDistBarSumsFirst = 1 };
+
 }  // namespace jfa::sm90

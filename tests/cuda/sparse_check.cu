@@ -11,10 +11,11 @@
 //     -o /tmp/sparse_check
 //   /tmp/sparse_check [--small | --bench]
 //
-// With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward too: add the compiled
-// cuda/sm90/sparse_fwd.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward and attn_dist too: add the
+// compiled cuda/sm90/sparse_fwd.cu and sparse_dist.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 // --expt-relaxed-constexpr -isystem <CuTe include> -c) to the link. JFA_SPARSE_CHECK_HOPPER=0
-// leaves it out of a run (racecheck: docs/sparse-attention.md#checks).
+// leaves both out of a run, =forward or =attn_dist runs that one alone (racecheck:
+// docs/sparse-attention.md#checks).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -134,11 +135,18 @@ struct Kernel {
 };
 
 #ifdef JFA_SPARSE_CHECK_SM90
-// The Hopper forward, or cudaErrorNotSupported (a skipped kernel) under JFA_SPARSE_CHECK_HOPPER=0.
-cudaError_t hopper_forward(const SparseParams& p, cudaStream_t stream) {
+// The Hopper kernels, or cudaErrorNotSupported (a skipped kernel) where JFA_SPARSE_CHECK_HOPPER
+// leaves them out: 0 both, attn_dist the forward (the one racecheck reports, docs/sparse-attention.md#checks).
+bool hopper_runs(const std::string& kernel) {
   const char* run = std::getenv("JFA_SPARSE_CHECK_HOPPER");
-  if (run != nullptr && std::string(run) == "0") return cudaErrorNotSupported;
-  return jfa::sm90::sparse_forward(p, stream);
+  const std::string only = run == nullptr ? "1" : run;
+  return only == "1" || only == kernel;
+}
+cudaError_t hopper_forward(const SparseParams& p, cudaStream_t stream) {
+  return hopper_runs("forward") ? jfa::sm90::sparse_forward(p, stream) : cudaErrorNotSupported;
+}
+cudaError_t hopper_attn_dist(const SparseParams& p, cudaStream_t stream) {
+  return hopper_runs("attn_dist") ? jfa::sm90::attn_dist(p, stream) : cudaErrorNotSupported;
 }
 #endif
 
@@ -238,8 +246,12 @@ void run_case(const Case& c, std::mt19937& rng) {
   g.dist = d_dist.as<float>();
   g.v = nullptr;
   g.Hv = 1;
-  for (const Kernel& kernel : {Kernel{"tensor-core attn_dist", jfa::sparse_gpu::attn_dist_tensor_cores},
-                               Kernel{"CUDA-core attn_dist", jfa::sparse_gpu::attn_dist_cuda_cores}}) {
+  for (const Kernel& kernel : {
+#ifdef JFA_SPARSE_CHECK_SM90
+           Kernel{"Hopper attn_dist", hopper_attn_dist},
+#endif
+           Kernel{"tensor-core attn_dist", jfa::sparse_gpu::attn_dist_tensor_cores},
+           Kernel{"CUDA-core attn_dist", jfa::sparse_gpu::attn_dist_cuda_cores}}) {
     d_dist.poison();
     if (!launched(kernel, g, c)) continue;
     const auto dist = d_dist.download<float>();
@@ -289,6 +301,9 @@ void bench(int64_t T, int64_t S) {
   const double hopper = time_ms(jfa::sm90::sparse_forward, 10);
   printf("bench T %lld S %lld: forward Hopper %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, hopper,
          fwd_flops / hopper * 1e-9);
+  const double hopper_dist = time_ms(jfa::sm90::attn_dist, 10);
+  printf("bench T %lld S %lld: attn_dist Hopper %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, hopper_dist,
+         dist_flops / hopper_dist * 1e-9);
 #endif
   const double tc = time_ms(jfa::sparse_gpu::forward_tensor_cores, 10);
   const double cc = time_ms(jfa::sparse_gpu::forward_cuda_cores, 1);
@@ -335,6 +350,8 @@ int main(int argc, char** argv) {
     // A group of 32 in a 64-row tile; head groups spanning two CTAs (16-row and 64-row).
     cases.push_back({1, 7, 500, 32, 1, 128, 128, 100, false, true, true, BF, 32});
     cases.push_back({1, 3, 400, 128, 1, 576, 512, 300, true, true, true, FP, 128});
+    // A head group of 128 over two key heads (two CTAs with different indices add into one row).
+    cases.push_back({1, 3, 300, 128, 2, 576, 512, 150, true, false, false, BF, 128});
     // Padded dims (40 → 64, 192 / 128), and a head dim the tensor-core kernels do not take.
     cases.push_back({2, 5, 300, 8, 2, 40, 24, 77, false, false, false, BF, 4});
     cases.push_back({1, 6, 300, 16, 1, 192, 128, 129, false, true, true, BF, 16});

@@ -1,0 +1,43 @@
+// Host side shared by the Hopper top-k sparse kernels (sparse_fwd.cu, sparse_dist.cu): their grid
+// (a CTA per query position, key head and 64 of its query heads) and the launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "jfa/sparse_params.h"
+
+namespace jfa::sm90::sparse {
+
+inline bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether the call has the shape both kernels take: float16/bfloat16, MLA's 576-column key rows,
+// a multiple of 64 query heads per key head, 16-byte aligned q and k.
+template <typename Traits>
+bool takes_sparse_shape(const SparseParams& p) {
+  return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && p.H == Traits::kDimQK && p.K > 0 &&
+         p.N % p.K == 0 && p.group_size() % Traits::kHeads == 0 && p.topk > 0 && p.B > 0 && p.T > 0 && p.S > 0 &&
+         aligned_16(p.q) && aligned_16(p.k);
+}
+
+// Launches `kernel` over the grid with Traits' threads and shared memory; cudaErrorNotSupported
+// (nothing launched) where the device lacks that shared memory or the grid is too large.
+template <typename Traits>
+cudaError_t launch_per_query_tile(void (*kernel)(SparseParams), const SparseParams& p, cudaStream_t stream) {
+  int device = 0, max_smem = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      e != cudaSuccess)
+    return e;
+  if (max_smem < Traits::kSmemBytes) return cudaErrorNotSupported;
+  const int64_t ctas = p.B * p.T * p.K * (p.group_size() / Traits::kHeads);
+  if (ctas <= 0 || ctas > 0x7fffffff) return cudaErrorNotSupported;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+      e != cudaSuccess)
+    return e;
+  kernel<<<unsigned(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jfa::sm90::sparse

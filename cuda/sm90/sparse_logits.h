@@ -1,0 +1,111 @@
+// What both Hopper top-k sparse kernels (sparse_fwd_kernel.h, sparse_dist_kernel.h) compute per
+// block of 64 gathered rows in a consumer warpgroup: S = Q·Kᵀ over all 576 columns with wgmma from
+// shared memory, and the validity of each slot, read from the indices as the gatherer read them.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "jfa/sparse_params.h"
+#include "sm90/sparse_gatherer.h"
+#include "sm90/utils.h"
+
+namespace jfa::sm90::sparse {
+
+using namespace cute;
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// The pointer, as a value the compiler cannot see through: the wgmma descriptors derived from it
+// are then computed where they are used. Otherwise they are loop-invariant, and the compiler kept
+// all 72 of Q·Kᵀ's (64-bit each) in registers across the loop, spilling O.
+template <typename T>
+__forceinline__ __device__ T* opaque(T* ptr) {
+  asm volatile("" : "+l"(ptr));
+  return ptr;
+}
+
+// A consumer warpgroup's view of the CTA and its logits tile S (64 heads x 64 slots), shared by
+// the forward's and attn_dist's consumers.
+template <typename Traits>
+struct BlockLogits {
+  using Element = typename Traits::Element;
+  using QkMma = typename Traits::QkMma;
+  template <int n>
+  using RowTiles = typename Traits::template RowTiles<n>;
+
+  const SparseParams& p;
+  const SparseTile& tile;
+  typename Traits::SharedStorage& smem;
+  const int wg;   // consumer warpgroup: 0 takes the even blocks of a pair, 1 the odd ones
+  const int tid;  // thread in the warpgroup
+  const float scale_log2;
+
+  decltype(partition_fragment_C(QkMma{}, Shape<_64, _64>{})) s;
+
+  __forceinline__ __device__ BlockLogits(const SparseParams& p_, const SparseTile& tile_,
+                                         typename Traits::SharedStorage& smem_, int wg_)
+      : p(p_), tile(tile_), smem(smem_), wg(wg_), tid(threadIdx.x % 128), scale_log2(p_.scale * kLog2e) {}
+
+  // Waits until the gatherer's cp.async copies behind `ready` have landed. They are generic-proxy
+  // writes and wgmma reads through the async proxy: the proxy fence orders the two.
+  __forceinline__ __device__ static void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
+    ready.wait(phase);
+    cutlass::arch::fence_view_async_shared();
+  }
+
+  // Issues S (+)= Q·Kᵀ over tiles [kFirst, kLast) of block buffer j (no commit).
+  template <int kFirst, int kLast>
+  __forceinline__ __device__ void issue_qk(int j, bool zero_init) {
+    QkMma mma;
+    auto thr = mma.get_slice(tid);
+    Element* q = opaque(smem.q.data());
+    Element* k = opaque(smem.k[j].data());
+    warpgroup_fence_operand(s);
+    warpgroup_arrive();
+    mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int c = kFirst; c < kLast; ++c) {
+      Tensor sq = make_tensor(make_smem_ptr(q + c * 64 * 64), RowTiles<1>{});
+      Tensor sk = make_tensor(make_smem_ptr(k + c * 64 * 64), RowTiles<1>{});
+      Tensor fq = thr.partition_fragment_A(sq);
+      Tensor fk = thr.partition_fragment_B(sk);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(fq); ++k) {
+        cute::gemm(mma, fq(_, _, k), fk(_, _, k), s);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+    }
+    warpgroup_fence_operand(s);
+  }
+
+  // Accumulator element e of this thread: row (e / 2) % 2 of its two, column 8·(e / 4) + 2·(tid % 4) + e % 2.
+  __forceinline__ __device__ static int fragment_column(int e, int tid) { return 8 * (e / 4) + 2 * (tid % 4) + e % 2; }
+  __forceinline__ __device__ static int fragment_row(int r, int tid) { return tid / 32 * 16 + r * 8 + tid % 32 / 4; }
+
+  // Bit 2·(e / 4) + e % 2 of the result: whether the slot of this thread's column
+  // fragment_column(e) of block `block` selects a key (as the gatherer decided, from the same
+  // indices). Read from global memory (the warpgroup reads one 256-byte span, from L1) rather than
+  // handed over in shared memory by the gatherer, so that the only exchanges between warpgroups
+  // are the row maxima and P, and are ordered by named barriers.
+  __forceinline__ __device__ uint32_t load_valid(int block) const {
+    const int32_t* indices = p.indices + p.index_row(tile.b, tile.t, tile.kh);
+    uint32_t bits = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      const int64_t slot = int64_t(block) * Traits::kBlockKeys + 8 * (i / 2) + 2 * (tid % 4) + i % 2;
+      const int32_t key = slot < p.topk ? __ldg(indices + slot) : -1;
+      bits |= uint32_t(slot < p.topk && sparse_index_valid(p, tile.t, key)) << i;
+    }
+    return bits;
+  }
+
+  // S in log2 units (scale·log2(e)·q·k), −inf at the slots not gathered. Scaled before the max,
+  // so that any scale, 0 and negative ones included, keeps the masked slots at −inf.
+  __forceinline__ __device__ void scale_and_mask(uint32_t valid) {
+    CUTE_UNROLL
+    for (int e = 0; e < size(s); ++e) s(e) = (valid >> (2 * (e / 4) + e % 2)) & 1u ? s(e) * scale_log2 : -INFINITY;
+  }
+};
+
+}  // namespace jfa::sm90::sparse
