@@ -42,11 +42,12 @@ struct DistConsumer : BlockLogits<Traits> {
     }
   }
 
-  // S (masked, log2 units) becomes P; each warp's sums over its 16 rows go to sums[warp][slot].
-  // The eight lanes that hold a column (same tid % 4) add theirs by shuffles.
+  // S (masked, log2 units) becomes P, 0 at the masked slots whatever the LSE holds; each warp's
+  // sums over its 16 rows go to sums[warp][slot]. The eight lanes that hold a column (same
+  // tid % 4) add theirs by shuffles.
   __forceinline__ __device__ void warp_column_sums(float (&sums)[4][Traits::kBlockKeys]) {
     CUTE_UNROLL
-    for (int e = 0; e < size(s); ++e) s(e) = exp2f(s(e) - lse_log2[(e / 2) % 2]);
+    for (int e = 0; e < size(s); ++e) s(e) = s(e) == -INFINITY ? 0.f : exp2f(s(e) - lse_log2[(e / 2) % 2]);
     CUTE_UNROLL
     for (int e = 0; e < size(s); e += 4) {
       float left = s(e) + s(e + 2), right = s(e + 1) + s(e + 3);  // columns c and c + 1, both rows

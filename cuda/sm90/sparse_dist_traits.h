@@ -29,6 +29,8 @@ struct SparseDistTraits : SparseForwardTraits<Element_> {
     cutlass::arch::ClusterBarrier k_ready[2][2], k_free[2][2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  // Each consumer warpgroup releases its whole block after Q·Kᵀ: the gatherer refills block by block.
+  static constexpr bool kRefillByBlock = true;
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM within an H100's 227 KiB");
 };
 

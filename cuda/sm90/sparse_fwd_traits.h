@@ -33,6 +33,8 @@ struct SparseForwardTraits {
   // (16) in the consumers; the gatherer keeps row offsets and flags only.
   static constexpr int kConsumerRegs = 216;
   static constexpr int kProducerRegs = 72;
+  // The gatherer's refill order (sparse_gatherer.h): by the halves the P·V warpgroups release.
+  static constexpr bool kRefillByBlock = false;
 
   // (64 rows, 64·kTiles columns): kTiles column tiles one after the other, each 64 rows of 128
   // bytes in the 128-byte swizzle of wgmma's K-major operands. Rows 8 apart differ by 1 KiB and

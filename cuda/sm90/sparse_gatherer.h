@@ -101,15 +101,28 @@ struct Gatherer {
   }
 
 
-  // Each half is refilled in the order the forward's readers release it: block 0's value columns
-  // (wg 0's P·V), block 1's right half (wg 1's P·V), block 0's right half (wg 1's P·V of block 0),
-  // block 1's value columns (wg 0's P·V of block 1). attn_dist's readers release a block's two
-  // halves together, after its Q·Kᵀ.
+  // Each half is refilled in the order its readers release it. The forward's (Traits::
+  // kRefillByBlock false): block 0's value columns (wg 0's P·V), block 1's right half (wg 1's P·V),
+  // block 0's right half (wg 1's P·V of block 0), block 1's value columns (wg 0's P·V of block 1).
+  // attn_dist's: block by block, each warpgroup releasing its block's two halves after its Q·Kᵀ,
+  // so that neither waits for the other.
   __forceinline__ __device__ void run(int pairs) {
     copy_queries();
     int phase = 1;  // a fresh barrier's preceding phase counts as complete: the first waits pass
     for (int pair = 0; pair < pairs; ++pair) {
       load_pair(2 * pair);
+      if constexpr (Traits::kRefillByBlock) {
+        smem.k_free[0][0].wait(phase);
+        copy_half<0, 0, 4>(smem.k_ready[0][0]);
+        smem.k_free[0][1].wait(phase);
+        copy_half<0, 4, Traits::kTiles>(smem.k_ready[0][1]);
+        smem.k_free[1][0].wait(phase);
+        copy_half<1, 0, 4>(smem.k_ready[1][0]);
+        smem.k_free[1][1].wait(phase);
+        copy_half<1, 4, Traits::kTiles>(smem.k_ready[1][1]);
+        phase ^= 1;
+        continue;
+      }
       smem.k_free[0][0].wait(phase);
       copy_half<0, 0, 4>(smem.k_ready[0][0]);
       smem.k_free[1][1].wait(phase);

@@ -21,18 +21,30 @@ bool takes_sparse_shape(const SparseParams& p) {
          aligned_16(p.q) && aligned_16(p.k);
 }
 
-// Launches `kernel` over the grid with Traits' threads and shared memory; cudaErrorNotSupported
-// (nothing launched) where the device lacks that shared memory or the grid is too large.
 template <typename Traits>
-cudaError_t launch_per_query_tile(void (*kernel)(SparseParams), const SparseParams& p, cudaStream_t stream) {
+int64_t ctas_per_query_tile(const SparseParams& p) {
+  return p.B * p.T * p.K * (p.group_size() / Traits::kHeads);
+}
+
+// cudaSuccess where the device has Traits' shared memory and the grid fits; cudaErrorNotSupported
+// where not (checked before anything is written).
+template <typename Traits>
+cudaError_t fits_per_query_tile(const SparseParams& p) {
   int device = 0, max_smem = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       e != cudaSuccess)
     return e;
-  if (max_smem < Traits::kSmemBytes) return cudaErrorNotSupported;
-  const int64_t ctas = p.B * p.T * p.K * (p.group_size() / Traits::kHeads);
-  if (ctas <= 0 || ctas > 0x7fffffff) return cudaErrorNotSupported;
+  const int64_t ctas = ctas_per_query_tile<Traits>(p);
+  return max_smem < Traits::kSmemBytes || ctas <= 0 || ctas > 0x7fffffff ? cudaErrorNotSupported : cudaSuccess;
+}
+
+// Launches `kernel` over the grid with Traits' threads and shared memory; cudaErrorNotSupported
+// (nothing launched) where fits_per_query_tile says so.
+template <typename Traits>
+cudaError_t launch_per_query_tile(void (*kernel)(SparseParams), const SparseParams& p, cudaStream_t stream) {
+  if (cudaError_t e = fits_per_query_tile<Traits>(p); e != cudaSuccess) return e;
+  const int64_t ctas = ctas_per_query_tile<Traits>(p);
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
       e != cudaSuccess)
     return e;
