@@ -100,7 +100,6 @@ struct Gatherer {
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ready));
   }
 
-
   // Each half is refilled in the order its readers release it. The forward's (Traits::
   // kRefillByBlock false): block 0's value columns (wg 0's P·V), block 1's right half (wg 1's P·V),
   // block 0's right half (wg 1's P·V of block 0), block 1's value columns (wg 0's P·V of block 1).
