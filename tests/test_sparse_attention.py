@@ -448,16 +448,25 @@ def test_gpu_deterministic_gradients_are_bitwise_repeatable():
         assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+# (B, T, S, N, K, topk), head_group at H 576: two groups of 64 of one key head; groups of 128 over
+# two key heads with a partial last block; topk one 64-slot block (on Hopper the wgmma kernel takes
+# all three in float16/bfloat16, the mma.sync kernel float32).
+GPU_DIST_CASES = [((1, 9, 150, 128, 1, 70), 64), ((2, 5, 300, 256, 2, 129), 128), ((1, 3, 80, 64, 1, 64), 64)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("lse_base", ["e", 2])
-def test_gpu_attn_dist_matches_reference(dtype, lse_base):
+@pytest.mark.parametrize("shape, head_group", GPU_DIST_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_gpu_attn_dist_matches_reference(shape, head_group, dtype, lse_base):
     seed = fresh_seed()
-    B, T, S, N, K, H, topk = 1, 9, 150, 128, 1, 576, 70
-    q, k, v, indices, _, _ = random_case(seed, B, T, S, N, K, H, 8, topk, dtype=dtype, empty_rows=1)
+    B, T, S, N, K, topk = shape
+    q, k, v, indices, _, _ = random_case(seed, B, T, S, N, K, 576, 8, topk, dtype=dtype, empty_rows=1)
     _, lse = jfa.sparse_attention(q, k, None, indices, value_head_dim=512, is_causal=True, return_lse=True)
     given = lse / np.log(2.0) if lse_base == 2 else lse
-    dist = jax.jit(lambda *a: jfa.attn_dist(*a, lse_base=lse_base, is_causal=True))(q, k, indices, given)
-    ref = attn_dist_reference(q.astype(jnp.float32), k.astype(jnp.float32), indices, lse, is_causal=True)
-    assert dist.shape == (B, 2, T, topk)
+    dist = jax.jit(lambda *a: jfa.attn_dist(*a, head_group=head_group, lse_base=lse_base, is_causal=True))(
+        q, k, indices, given)
+    ref = attn_dist_reference(q.astype(jnp.float32), k.astype(jnp.float32), indices, lse, head_group=head_group,
+                              is_causal=True)
+    assert dist.shape == (B, N // head_group, T, topk)
     assert rel_err(dist, ref) <= 1e-4, f"seed {seed}: {rel_err(dist, ref)}"

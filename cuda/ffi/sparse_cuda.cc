@@ -91,6 +91,12 @@ ffi::Error AttnDistCuda(AttnDistCall c) {
   SparseParams p;
   if (auto e = ffi_decode::decode_attn_dist_call(c, &p); e.failure()) return e;
   if (auto e = check_head_dims(p); e.failure()) return e;
+#ifdef JFA_HAS_SM90
+  if (hopper_allowed() && sm90::can_implement_attn_dist(p)) {
+    const cudaError_t e = sm90::attn_dist(p, c.stream);
+    if (e != cudaErrorNotSupported) return launched(e, "attn_dist (Hopper)");
+  }
+#endif
   return launched(sparse_gpu::attn_dist(p, c.stream), "attn_dist");
 }
 
