@@ -51,7 +51,8 @@ struct Gatherer {
   const SparseTile& tile;
   typename Traits::SharedStorage& smem;
   int group, chunk;
-  int32_t rows[2][kRowsPerThread];  // the pair's key rows this thread copies; -1: not gathered
+  int32_t fetched[2][kRowsPerThread];  // the indices of the pair after the one being copied
+  int32_t rows[2][kRowsPerThread];     // the pair's key rows this thread copies; -1: not gathered
 
   // Address of this thread's chunk of (row group, tile 0) in a 64-row buffer; rows 16 apart are
   // 16·64 elements apart and tiles 64·64 (sparse_fwd_traits.h).
@@ -71,18 +72,29 @@ struct Gatherer {
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&smem.q_ready));
   }
 
-  // Reads the indices of blocks `block` and `block + 1`; slots past topk and indices that select
-  // nothing (sparse_index_valid) are zero-filled and masked, never read.
-  __forceinline__ __device__ void load_pair(int block) {
+  __forceinline__ __device__ int64_t slot(int block, int j, int r) const {
+    return int64_t(block + j) * Traits::kBlockKeys + group + 16 * r;
+  }
+
+  // Loads the indices of blocks `block` and `block + 1` a pair ahead of their copies, every load
+  // before any use: one round trip, under the current pair's copies, instead of one per index in
+  // front of them. Slots past topk read the last slot, in bounds; select_pair masks them.
+  __forceinline__ __device__ void fetch_pair(int block) {
     const int32_t* indices = p.indices + p.index_row(tile.b, tile.t, tile.kh);
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j)
       CUTE_UNROLL
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const int64_t slot = int64_t(block + j) * Traits::kBlockKeys + group + 16 * r;
-        const int32_t s = slot < p.topk ? __ldg(indices + slot) : -1;
-        rows[j][r] = slot < p.topk && sparse_index_valid(p, tile.t, s) ? s : -1;
-      }
+      for (int r = 0; r < kRowsPerThread; ++r) fetched[j][r] = __ldg(indices + min(slot(block, j, r), p.topk - 1));
+  }
+
+  // The fetched pair's rows: slots past topk and indices that select nothing (sparse_index_valid)
+  // are zero-filled and masked, never read.
+  __forceinline__ __device__ void select_pair(int block) {
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j)
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r)
+        rows[j][r] = slot(block, j, r) < p.topk && sparse_index_valid(p, tile.t, fetched[j][r]) ? fetched[j][r] : -1;
   }
 
   // Tiles [kFirst, kLast) of the pair's block j into buffer j, then the buffer half's barrier.
@@ -106,10 +118,12 @@ struct Gatherer {
   // attn_dist's: block by block, each warpgroup releasing its block's two halves after its Q·Kᵀ,
   // so that neither waits for the other.
   __forceinline__ __device__ void run(int pairs) {
+    if (pairs > 0) fetch_pair(0);
     copy_queries();
     int phase = 1;  // a fresh barrier's preceding phase counts as complete: the first waits pass
     for (int pair = 0; pair < pairs; ++pair) {
-      load_pair(2 * pair);
+      select_pair(2 * pair);
+      if (pair + 1 < pairs) fetch_pair(2 * pair + 2);
       if constexpr (Traits::kRefillByBlock) {
         smem.k_free[0][0].wait(phase);
         copy_half<0, 0, 4>(smem.k_ready[0][0]);
