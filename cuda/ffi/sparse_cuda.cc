@@ -1,6 +1,7 @@
 // XLA FFI handlers of top-k sparse attention (forward, backward) and attn_dist on the CUDA platform:
-// decode, check, enqueue the kernels of cuda/sparse/ on XLA's stream (nothing allocated: the
-// backward's float32 scratch comes as extra results).
+// decode, check, enqueue on XLA's stream the Hopper kernels (cuda/sm90/sparse_*) for the calls
+// they take, else those of cuda/sparse/ (nothing allocated: the backward's float32 scratch comes
+// as extra results).
 #include <cuda_runtime_api.h>
 
 #include <string>
