@@ -6,8 +6,9 @@
 // memory (attn_dist: head groups of 16, 32, 64 or 128 within a key head's group). Other calls run
 // portable CUDA-core kernels (float32 too, any size). The backward is CUDA-core only: jax_flashattn
 // runs it for deterministic=True and otherwise computes the gradients with XLA (_sparse_xla_backward.py).
-// On Hopper, the FFI handler first offers the forward to cuda/sm90's wgmma kernel (sm90/api.h,
-// can_implement_sparse_forward: MLA's shape); what it does not take comes here.
+// On Hopper, the FFI handler first offers the forward and attn_dist to cuda/sm90's wgmma kernels
+// (sm90/api.h, can_implement_sparse_forward / can_implement_attn_dist: MLA's shape); what they do
+// not take comes here.
 // Every index is tested with sparse_index_valid before the key or value row it names is read.
 #pragma once
 
