@@ -448,10 +448,12 @@ def test_gpu_deterministic_gradients_are_bitwise_repeatable():
         assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-# (B, T, S, N, K, topk), head_group at H 576: two groups of 64 of one key head; groups of 128 over
-# two key heads with a partial last block; topk one 64-slot block (on Hopper the wgmma kernel takes
-# all three in float16/bfloat16, the mma.sync kernel float32).
-GPU_DIST_CASES = [((1, 9, 150, 128, 1, 70), 64), ((2, 5, 300, 256, 2, 129), 128), ((1, 3, 80, 64, 1, 64), 64)]
+# (B, T, S, N, K, topk), head_group at H 576: two groups of 64 of one key head; groups of 128 within
+# each of two key heads, with a partial last block; a group of 128 across two key heads of 64 (its
+# two CTAs read different indices); topk one 64-slot block. On Hopper the wgmma kernel takes them
+# all in float16/bfloat16; float32 runs on the CUDA-core kernel.
+GPU_DIST_CASES = [((1, 9, 150, 128, 1, 70), 64), ((2, 5, 300, 256, 2, 129), 128), ((2, 5, 300, 128, 2, 129), 128),
+                  ((1, 3, 80, 64, 1, 64), 64)]
 
 
 @pytest.mark.gpu
