@@ -9,7 +9,7 @@
 //   nvcc -std=c++17 -O2 -arch=native -Icuda -Icuda/include tests/cuda/sparse_check.cu cuda/sparse/*.cu \
 //     cuda/cpu/sparse_forward.cc cuda/cpu/sparse_backward.cc cuda/cpu/tiles.cc cuda/cpu/parallel_for.cc \
 //     -o /tmp/sparse_check
-//   /tmp/sparse_check [--small | --bench]
+//   /tmp/sparse_check [--small | --bench [T [S]]]     (--bench: T 4096, S 32768 unless given)
 //
 // With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward and attn_dist too: add the
 // compiled cuda/sm90/sparse_fwd.cu and sparse_dist.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -320,7 +320,7 @@ void bench(int64_t T, int64_t S) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--bench") {
-    bench(4096, 32768);
+    bench(argc > 2 ? std::atoll(argv[2]) : 4096, argc > 3 ? std::atoll(argv[3]) : 32768);
     return 0;
   }
   const bool small = mode == "--small";
