@@ -45,8 +45,12 @@ enum : int {
 
 // Top-k sparse forward (sparse_fwd_kernel.h), between its two consumer warpgroups: warpgroup 0
 // published its running max, warpgroup 1 the joint one; each one's P is in shared memory; both
-// softmax sums are.
-enum : int { kSparseBarMax0 = 1, kSparseBarMax1 = 2, kSparseBarP0 = 3, kSparseBarP1 = 4, kSparseBarSums = 5 };
+// softmax sums are; within warpgroup w (kSparseBarStagedFirst + w), its half of O is staged in shared
+// memory.
+enum : int {
+  kSparseBarMax0 = 1, kSparseBarMax1 = 2, kSparseBarP0 = 3, kSparseBarP1 = 4, kSparseBarSums = 5,
+  kSparseBarStagedFirst = 6
+};
 
 // Top-k attn_dist (sparse_dist_kernel.h): within consumer warpgroup w, its warps' column sums of a
 // block are in shared memory.

@@ -271,23 +271,33 @@ struct Consumer : BlockLogits<Traits> {
     const float2 other = smem.row_sum[(1 - wg) * 32 + tid / 4];
     total[0] += other.x;
     total[1] += other.y;
-    Element* out = static_cast<Element*>(p.o) + p.o_row(tile.b, tile.t, tile.n0) + wg * (Traits::kDimV / 2);
+    // O's half, normalized, through shared memory (block buffer 0, free now: both warpgroups' MMAs
+    // completed before the barrier above) so that global memory gets 16-byte row chunks.
     CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int row = fragment_row(r, tid);
-      const float inv = total[r] > 0.f ? 1.f / total[r] : 0.f;
-      Element* dst = out + int64_t(row) * p.Hv;
-      CUTE_UNROLL
-      for (int e = 2 * r; e < size(o); e += 4) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = Element(o(e) * inv);
-        pair[1] = Element(o(e + 1) * inv);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + fragment_column(e, tid)) = pair;
-      }
-      if (wg == 0 && tid % 4 == 0)
-        p.lse[p.stat(tile.b, tile.t, tile.n0 + row)] =
-            total[r] > 0.f ? (row_max[r] + log2f(total[r])) * kLn2 : -INFINITY;
+    for (int r = 0; r < 2; ++r) scale_row(o, r, total[r] > 0.f ? 1.f / total[r] : 0.f);
+    Tensor o_half = make_tensor<Element>(shape(o));
+    convert(o, o_half);
+    Element* staged = smem.k[0].data() + wg * Traits::kHalfVTiles * 64 * 64;
+    {
+      auto copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, PvMmaOwnP{});
+      auto thr = copy.get_slice(tid);
+      Tensor dst = thr.partition_D(make_tensor(make_smem_ptr(staged), RowTiles<Traits::kHalfVTiles>{}));
+      cute::copy(copy, thr.retile_S(o_half), dst);
     }
+    bar_sync(kSparseBarStagedFirst + wg, 128);
+    Tensor view = make_tensor(make_smem_ptr(staged), RowTiles<Traits::kHalfVTiles>{});
+    Element* out = static_cast<Element*>(p.o) + p.o_row(tile.b, tile.t, tile.n0) + wg * (Traits::kDimV / 2);
+    constexpr int kChunksPerRow = Traits::kDimV / 2 / 8;  // 16-byte chunks of a row's half
+    CUTE_UNROLL
+    for (int i = 0; i < Traits::kHeads * kChunksPerRow / 128; ++i) {
+      const int chunk = i * 128 + tid, row = chunk / kChunksPerRow, column = chunk % kChunksPerRow * 8;
+      *reinterpret_cast<uint4*>(out + int64_t(row) * p.Hv + column) = *reinterpret_cast<const uint4*>(&view(row, column));
+    }
+    if (wg == 0 && tid % 4 == 0)
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r)
+        p.lse[p.stat(tile.b, tile.t, tile.n0 + fragment_row(r, tid))] =
+            total[r] > 0.f ? (row_max[r] + log2f(total[r])) * kLn2 : -INFINITY;
   }
 };
 
