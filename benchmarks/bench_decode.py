@@ -10,10 +10,10 @@ bottom-right causal (the T queries are the cache's last positions). jax.nn gets 
 call: no mask for T = 1 (the query sees the whole cache), else the bottom-right causal mask as a
 boolean [1, 1, T, S]. Impls: jax_flashattn (the default dispatch, which splits the keys for such
 calls: jax_flashattn/decode.py), jax_flashattn_nosplit (JFA_DECODE_SPLIT=0 while it is traced),
-jax_flashattn_paged64, jax_flashattn_paged128 and jax_flashattn_paged256 (paged_attention over the
-same cache cut into pages of 64, 128 or 256 rows in shuffled order, every row valid: on a Hopper GPU
-pages of 128 rows or more are read in place by the kernel, smaller ones gathered into a contiguous
-cache first), jax_flashattn_paged256gather (pages of 256 rows gathered as on other GPUs, for an A/B
+jax_flashattn_paged16, _paged64, _paged128 and _paged256 (paged_attention over the same cache cut
+into pages of 16, 64, 128 or 256 rows in shuffled order, every row valid: on a Hopper GPU the
+kernel reads them in place, elsewhere they are gathered into a contiguous cache first),
+jax_flashattn_paged64gather and _paged256gather (those pages gathered as on other GPUs, for an A/B
 in one process), cudnn and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
 block_until_ready; the median per-call time over `--rounds` rounds, the rounds of one row
 alternating between the implementations. Rate: bytes of K and V read per second (the paged rows
@@ -36,8 +36,9 @@ import numpy as np
 import jax_flashattn as jfa
 
 ROWS = [(8, 1, 8192), (8, 1, 32768), (8, 16, 32768), (1, 1, 131072), (32, 1, 8192), (8, 4, 16384)]
-IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged64", "jax_flashattn_paged128",
-         "jax_flashattn_paged256", "jax_flashattn_paged256gather", "cudnn", "xla"]
+IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged16", "jax_flashattn_paged64",
+         "jax_flashattn_paged128", "jax_flashattn_paged256", "jax_flashattn_paged64gather",
+         "jax_flashattn_paged256gather", "cudnn", "xla"]
 
 
 def paged(k, v, page_size, seed):

@@ -3,9 +3,9 @@
 The cache is a pool of fixed-size pages, [num_pages, page_size, K, H] for keys and for values;
 sequence b owns the pages block_table[b, 0], block_table[b, 1], ... in that order, and its first
 seq_lengths[b] rows are valid. Where the Hopper forward reads the pages in place (an sm90 GPU, a
-Hopper kernel for the head dim, page_size a multiple of 128) the call goes to the paged forward
-primitive (_paged_primitive.py), which hands the table to the kernel: its producer looks up each
-key tile's page, so the cache is never copied; decode-shaped calls take the split-KV path
+Hopper kernel for the head dim, page_size a multiple of 16) the call goes to the paged forward
+primitive (_paged_primitive.py), which hands the table to the kernel: its producer looks up the
+pages of each key tile, so the cache is never copied; decode-shaped calls take the split-KV path
 (decode.py) with each key block a slice of the table. The CPU's handler copies the pages itself
 (the same primitive). Elsewhere (other GPUs, other page sizes) each sequence's pages are gathered
 into a contiguous [B, S, K, H] buffer (one XLA gather; rows past a sequence's length zeroed in
@@ -15,6 +15,7 @@ what the paged layout is for, needs none.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from functools import partial
@@ -153,8 +154,13 @@ def _in_place(q, key_cache, value_cache, block_table, lengths, slopes, scale, co
     page_size, K = key_cache.shape[1:3]
     plan = None
     if split and not explicitly_sharded(q, key_cache, value_cache):
-        plan = decode.split_plan(q.shape, (B, block_table.shape[1] * page_size, K, H), config, extras,
-                                 implementation, granule=page_size)
+        # Key blocks of whole pages, and of whole 128-key tiles where the pages allow it: a block
+        # that ends inside a tile reads that tile's rows past its end for nothing.
+        k_shape = (B, block_table.shape[1] * page_size, K, H)
+        for granule in dict.fromkeys((math.lcm(page_size, 128), page_size)):
+            plan = decode.split_plan(q.shape, k_shape, config, extras, implementation, granule=granule)
+            if plan is not None:
+                break
     if plan is None:
         return call(q, key_cache, value_cache, config, extras)
     return decode.split_kv_attention(q, key_cache, value_cache, config, extras, plan, call)

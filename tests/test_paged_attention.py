@@ -210,9 +210,13 @@ def _run_cuda_branch(monkeypatch):
                         lambda *args, default, cuda: real(*args, default=cuda))
 
 
-# (B, T, N, K, page_size, lengths, max_pages, keywords): what the Hopper path takes (pages of
-# 128 rows or more), with and without the split (short caches, ALiBi's unfolded heads).
+# (B, T, N, K, page_size, lengths, max_pages, keywords): what the Hopper path takes (pages a
+# multiple of 16 rows), with and without the split (short caches, ALiBi's unfolded heads); key
+# blocks of whole 128-key tiles where the pages allow it, else of whole pages (p16 with 66 pages).
 IN_PLACE_CASES = {
+    "t1-p16-gqa4-causal-split": (2, 1, 8, 2, 16, [1100, 517], 80, dict(is_causal=True)),
+    "t2-p16-unaligned-split": (2, 2, 4, 2, 16, [1056, 300], 66, dict(is_causal=True)),
+    "t4-p48-gqa2-softcap-split": (2, 4, 4, 2, 48, [1536, 49], 32, dict(softcap=4.0)),
     "t1-p128-gqa4-causal-split": (2, 1, 8, 2, 128, [1100, 517], 12, dict(is_causal=True)),
     "t4-p256-gqa2-causal-split": (2, 4, 4, 2, 256, [2048, 700], 8, dict(is_causal=True)),
     "t16-p128-mqa-softcap-split": (2, 16, 4, 1, 128, [1500, 1024], 16, dict(softcap=4.0)),
@@ -311,9 +315,10 @@ def test_cuda_lowering_of_the_in_place_path(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["t1-causal", "t4-causal", "t16-alibi", "t1-softcap-h64", "t2-window-h256"])
 def test_hopper_reads_pages_in_place(case):
-    """On a Hopper GPU, pages of 128 and 256 rows are read by the kernel (bf16 against the float32
-    reference; NaN in the rows past each length and in unused pages, which must not reach the
-    result)."""
+    """On a Hopper GPU, pages of any multiple of 16 rows are read by the kernel (bf16 against the
+    float32 reference; NaN in the rows past each length and in unused pages, which must not reach
+    the result): pages smaller than a key tile in chunks, and key blocks of the split that end
+    inside a tile (2064 rows of 16-row pages split in three)."""
     T, head_dim, kw = {
         "t1-causal": (1, 128, dict(is_causal=True)),
         "t4-causal": (4, 128, dict(is_causal=True)),
@@ -322,7 +327,8 @@ def test_hopper_reads_pages_in_place(case):
         "t2-window-h256": (2, 256, dict(is_causal=True, local_window_size=(300, 0))),
     }[case]
     seed = fresh_seed()
-    for page_size, lengths in ((128, [1100, 517, 128]), (256, [2048, 300, 21])):
+    for page_size, lengths in ((16, [1100, 517, 16]), (48, [2064, 95, 48]), (64, [1000, 64, 21]),
+                               (128, [1100, 517, 128]), (256, [2048, 300, 21])):
         q, kc, vc, table, lengths = make_cache(seed, 3, T, 8, 2, page_size, lengths, 2048 // page_size + 1,
                                                head_dim=head_dim)
         assert paged._hopper_reads_pages(jnp.zeros(q.shape, jnp.bfloat16), vc, page_size), case

@@ -29,9 +29,10 @@ int kernel_head_dim(DType dtype, int head_dim);
 // any built dtype of head_dim run here: the kernel's width where it is wider than head_dim.
 int workspace_head_dim(int head_dim);
 
-// A paged call's page size must be a multiple of this: every key tile of its kernels (128 or 64
-// keys) then lies in one page, whose id the producer looks up per tile (fwd_producer.h).
-constexpr int kPagedPageRows = 128;
+// A paged call's page size must be a multiple of this: the producer loads a key tile that spans
+// several pages in chunks of this many rows (or wider ones where the page size allows), each
+// inside one page (paged_kv.h); a tile inside one page goes as one copy.
+constexpr int kPagedPageRows = 16;
 
 // Whether forward() takes this call: a kernel for its head dim (kernel_head_dim; H a multiple of
 // 8), H == Hv, T, S >= 1, and what TMA needs

@@ -24,7 +24,7 @@ namespace detail {
 template <typename Traits, bool kCausal, int kPolicies = 0>
 cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   constexpr bool kGeneral = kPolicies != 0;
-  if (p.paged.present() && (!reads_pages<Traits, kPolicies>() || p.paged.page_size % Traits::kBlockN != 0))
+  if (p.paged.present() && (!reads_pages<Traits, kPolicies>() || p.paged.page_size % kPagedPageRows != 0))
     return cudaErrorNotSupported;
   using Element = typename Traits::Element;
   const FwdParams<Traits> kp = make_fwd_params<Traits>(p);
@@ -84,8 +84,7 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
   // causal's). H 64 takes 128 x 128 for short sequences, as plain causal does below (that
   // choice was timed on the plain path), and for the other sets' kernels with segment ids (a 192-row tile
   // straddles more segment boundaries, whose keys those kernels test per element).
-  // Paged caches take the general path too, whose key tiles (128 or 64 keys) each lie in one page
-  // (kPagedPageRows).
+  // Paged caches take the general path too (paged_kv.h, reads_pages).
   using Lean = typename GeneralFwdConfig<Element, kHeadDim, true>::Traits;
   if (p.mask.active() || p.paged.present()) {
     if constexpr (kHeadDim == 64) {

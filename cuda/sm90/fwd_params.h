@@ -4,9 +4,11 @@
 
 #include <cute/tensor.hpp>
 
+#include "api.h"
 #include "fwd_traits.h"
 #include "jfa/params.h"
 #include "mask_policies.h"
+#include "paged_kv.h"
 #include "tile_scheduler.h"
 #include "tma.h"
 
@@ -19,6 +21,12 @@ struct FwdParams {
   using Element = typename Traits::Element;
   TmaLoad<Element, Traits::kBlockM, Traits::kHeadDim, typename Traits::SmemLayoutQ> tma_q;
   TmaLoad<Element, Traits::kBlockN, Traits::kHeadDim, typename Traits::SmemLayoutK> tma_k, tma_v;
+  // A paged call with pages smaller than a key tile: K and V in chunks of pages (paged_kv.h,
+  // load_paged_chunks), narrow or wide; built only for the calls that use them.
+  template <int kRows>
+  using ChunkLoad = TmaLoad<Element, kRows, Traits::kHeadDim, SmemLayoutRows<Element, kRows, Traits::kHeadDim>>;
+  ChunkLoad<kPagedPageRows> tma_k_narrow, tma_v_narrow;
+  ChunkLoad<kPagedWideChunkRows> tma_k_wide, tma_v_wide;
   TmaStoreBox<Element> tma_o;
   GmemShape shape_q, shape_kv;  // (T, H, N, B) and kv_shape's; O has Q's shape
   float* lse;
@@ -35,10 +43,24 @@ FwdParams<Traits> make_fwd_params(const AttentionParams& p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using LayoutK = typename Traits::SmemLayoutK;
   const int num_m_blocks = int((p.T + kBlockM - 1) / kBlockM);
+  const bool chunked = p.paged.present() && p.paged.page_size % kBlockN != 0;
+  const bool wide = chunked && paged_wide_chunks<kBlockN>(p.paged.page_size);
+  // The chunks' copies where this call uses them, else empty descriptors.
+  auto chunk_load = [&](auto rows, bool used, const void* pool, const Strides& strides) {
+    constexpr int kRows = decltype(rows)::value;
+    using Load = typename FwdParams<Traits>::template ChunkLoad<kRows>;
+    return used ? make_tma_load<kRows, kHeadDim, SmemLayoutRows<Element, kRows, kHeadDim>>(
+                      kv_tensor<Element>(p, pool, strides))
+                : Load{};
+  };
   return FwdParams<Traits>{
       make_tma_load<kBlockM, kHeadDim, typename Traits::SmemLayoutQ>(query_tensor<Element>(p, p.q, p.q_strides)),
       make_tma_load<kBlockN, kHeadDim, LayoutK>(kv_tensor<Element>(p, p.k, p.k_strides)),
       make_tma_load<kBlockN, kHeadDim, LayoutK>(kv_tensor<Element>(p, p.v, p.v_strides)),
+      chunk_load(Int<kPagedPageRows>{}, chunked && !wide, p.k, p.k_strides),
+      chunk_load(Int<kPagedPageRows>{}, chunked && !wide, p.v, p.v_strides),
+      chunk_load(Int<kPagedWideChunkRows>{}, wide, p.k, p.k_strides),
+      chunk_load(Int<kPagedWideChunkRows>{}, wide, p.v, p.v_strides),
       make_tma_store_box<Element>(query_tensor<Element>(p, p.o, p.o_strides)),
       query_shape(p),
       kv_shape(p),

@@ -43,27 +43,22 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    // A paged call (on the kernels that take them: paged_kv.h, reads_pages) loads block n from the
-    // page the table names for it: tile (n·kBlockN mod page_size) / kBlockN of that page.
-    auto load_paged = [&](auto const& tma, auto const& m, auto const& s, int stage, int n, uint64_t& bar) {
-      const int row = n * kBlockN, page_size = int(p.attn.paged.page_size), entry = row / page_size;
-      Tensor g = local_tile(m(_, _, kv_head, table_page(p.attn.paged, t.batch, entry)),
-                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord((row - entry * page_size) / kBlockN, _0{}));
-      auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-      copy(tma.with(bar), tg, ts(_, stage));
-    };
-    auto load = [&](auto& pipeline, auto const& tma, auto const& m, auto const& s, auto const& tg, auto const& ts,
-                    int n, PipelineState const& st) {
+    auto load = [&](auto& pipeline, auto const& tma, auto const& narrow, auto const& wide, auto const& m,
+                    auto const& s, auto const& tg, auto const& ts, int n, PipelineState const& st) {
       pipeline.producer_acquire(st);
-      if (!leader) return;
       uint64_t& bar = *pipeline.producer_get_barrier(st);
-      if (reads_pages<Traits, kPolicies>() && p.attn.paged.present())
-        load_paged(tma, m, s, st.index(), n, bar);
-      else
-        copy(tma.with(bar), tg(_, n), ts(_, st.index()));
+      if constexpr (reads_pages<Traits, kPolicies>())
+        if (p.attn.paged.present())
+          return load_paged_block<kBlockN, kHeadDim>(p.attn.paged, tma, narrow, wide, m, p.shape_kv,
+                                                     s(_, _, st.index()), t.batch, kv_head, n, bar);
+      if (leader) copy(tma.with(bar), tg(_, n), ts(_, st.index()));
     };
-    auto load_k = [&](int n, PipelineState const& st) { load(pipeline_k, p.tma_k, mK, sK, tKgK, tKsK, n, st); };
-    auto load_v = [&](int n, PipelineState const& st) { load(pipeline_v, p.tma_v, mV, sV, tVgV, tVsV, n, st); };
+    auto load_k = [&](int n, PipelineState const& st) {
+      load(pipeline_k, p.tma_k, p.tma_k_narrow, p.tma_k_wide, mK, sK, tKgK, tKsK, n, st);
+    };
+    auto load_v = [&](int n, PipelineState const& st) {
+      load(pipeline_v, p.tma_v, p.tma_v_narrow, p.tma_v_wide, mV, sV, tVgV, tVsV, n, st);
+    };
     int n = work.n_end - 1;
     // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
     load_k(n, write);

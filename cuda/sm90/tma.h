@@ -69,6 +69,13 @@ auto make_tma_load(GTensor const& t) {
 template <typename Element>
 using SmemAtomSw128 = GMMA::Layout_K_SW128_Atom<Element>;
 
+// The smem layout of kRows rows of a K or V tile, for the TMA boxes of a paged tile's chunks
+// (paged_kv.h, load_paged_chunks). Chunk c (rows kRows·c..) of a tile laid out by
+// tile_to_shape(SmemAtomSw128, (rows, dim)) is, per 64-column atom, kRows whole contiguous rows
+// (kRows a multiple of the atom's 8), so a box built for this layout lands in it.
+template <typename Element, int kRows, int kDim>
+using SmemLayoutRows = decltype(tile_to_shape(SmemAtomSw128<Element>{}, Shape<Int<kRows>, Int<kDim>>{}));
+
 // Outputs are stored per warpgroup in boxes of 64 rows x 64 columns, one swizzle atom wide. A
 // (rows, dim) smem tile laid out by tile_to_shape(SmemAtomSw128, ...) tiles the atom down the rows
 // first, so box (w, c) (rows 64w.., columns 64c..) is contiguous at box_offset(w, c) and laid out as

@@ -4,6 +4,7 @@
 // under compute-sanitizer (memcheck, racecheck, synccheck) with --small.
 // ./harness           correctness sweep + 16k timing
 // ./harness --small   small correctness sweep only (for compute-sanitizer)
+// ./harness --paged [H [page]]   the small sweep's paged cases only, of head dim H (and page size)
 // ./harness --bench   timing only
 // ./harness --masks   timing of the masked forward against plain causal (the masks' speed table),
 //                      interleaved rounds, medians; --masks-bwd the same for the Hopper backward
@@ -62,9 +63,10 @@ enum Feature : int {
   // Packed sequences whose boundaries fall on the summaries' 16-position chunks, as the timed
   // 4096-key sequences do: rows fold their segment into their position bounds (mask.h, tile_rows).
   kChunkAlignedSegments = 2048,
-  // K and V as page pools read through a block table (AttentionParams::paged): pages of 256 rows
-  // where S is a multiple of 256, else 128, in random order; rows past each length and the spare
-  // pages NaN (the kernel must zero what it reads of them: paged_kv.h). S a multiple of 128, no pad.
+  // K and V as page pools read through a block table (AttentionParams::paged): pages of the case's
+  // `page` rows, else 256 where S is a multiple of 256, else 128, in random order; rows past each
+  // length and the spare pages NaN (the kernel must zero what it reads of them: paged_kv.h). S a
+  // multiple of the page, no pad.
   kPaged = 4096
 };
 
@@ -74,6 +76,7 @@ struct Config {
   DType dt;
   int pad;  // extra elements per row (non-packed strides, a multiple of 8 so TMA takes them)
   int features = 0;
+  int page = 0;  // kPaged: rows per page (0: 256 or 128, whichever divides S)
 };
 
 // Host and device copies of a case's mask operands; `host` points into the vectors (for the
@@ -246,7 +249,8 @@ static void run_case(const Config& c, std::mt19937& rng) {
   p.q_strides = q.strides(); p.k_strides = k.strides(); p.v_strides = v.strides();
   std::vector<void*> paged_buffers;
   if (c.features & kPaged) {
-    const int page = c.S % 256 == 0 ? 256 : 128, per_sequence = c.S / page, pages = c.B * per_sequence + 2;
+    const int page = c.page ? c.page : c.S % 256 == 0 ? 256 : 128, per_sequence = c.S / page,
+              pages = c.B * per_sequence + 2;
     std::vector<int32_t> order(pages), table(size_t(c.B) * per_sequence);
     for (int i = 0; i < pages; ++i) order[i] = i;
     std::shuffle(order.begin(), order.end(), rng);
@@ -746,6 +750,29 @@ static void host_cost() {
   CK(cudaStreamDestroy(s));
 }
 
+// Paged caches (rows past the lengths and unused pages NaN). Small: decode-shaped calls on pages of
+// a key tile or more, and on pages smaller than a tile (loaded in chunks), S not a multiple of the
+// tile (the last tile's rows past the table come from its last page). Full: decode-shaped, a few
+// queries with ALiBi, many with a window and soft-capping; without lengths (every row valid) too.
+void add_paged_cases(std::vector<Config>& cases, int H, bool small) {
+  const DType BF = DType::kBFloat16, FP = DType::kFloat16;
+  const int paged = kPaged | kLengths;
+  cases.push_back({2, 1, 512, 4, 1, H, true, BF, 0, paged | kBottomRight});
+  cases.push_back({2, 17, 384, 4, 2, H, false, FP, 0, paged});
+  cases.push_back({2, 3, 400, 4, 2, H, true, BF, 0, paged | kBottomRight, 16});
+  cases.push_back({2, 1, 432, 8, 2, H, false, FP, 0, paged | kSoftcap, 48});
+  cases.push_back({1, 5, 320, 4, 1, H, true, BF, 0, paged | kBottomRight | kAlibi, 64});
+  if (small) return;
+  cases.push_back({3, 1, 1024, 8, 2, H, true, BF, 0, paged | kBottomRight});
+  cases.push_back({2, 64, 768, 4, 2, H, true, FP, 0, paged | kBottomRight | kAlibi});
+  cases.push_back({2, 300, 512, 4, 1, H, false, BF, 0, kPaged | kWindow | kSoftcap});
+  cases.push_back({1, 200, 1280, 4, 4, H, true, BF, 0, paged | kSegments});
+  cases.push_back({3, 1, 2000, 8, 2, H, true, BF, 0, paged | kBottomRight, 16});
+  cases.push_back({2, 40, 960, 4, 2, H, true, FP, 0, paged | kBottomRight | kAlibi, 32});
+  cases.push_back({1, 130, 1344, 4, 4, H, true, BF, 0, paged | kSegments, 64});
+  cases.push_back({2, 300, 480, 4, 1, H, false, BF, 0, kPaged | kWindow | kSoftcap, 48});
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--profile" && argc >= 4) {
@@ -768,13 +795,23 @@ int main(int argc, char** argv) {
   }
   const bool small = mode == "--small", masks_bwd = mode == "--masks-bwd", masks_only = mode == "--masks" || masks_bwd;
   const bool ordered_only = mode == "--deterministic-bwd";
+  // --paged [H]: the paged cases alone (sanitizers on a build of one head dim).
+  const bool paged_only = mode == "--paged";
   const bool bench_only = mode == "--bench" || masks_only || ordered_only;
   const unsigned seed = std::random_device{}();
   printf("seed: %u\n", seed);
   std::mt19937 rng(seed);
   std::vector<Config> cases;
   const DType BF = DType::kBFloat16, FP = DType::kFloat16;
-  if (small) {
+  if (paged_only) {
+    for (int H : {64, 128, 256}) {
+      if (argc > 2 && H != std::atoi(argv[2])) continue;
+      add_paged_cases(cases, H, true);
+    }
+    if (argc > 3)  // one page size (racecheck takes minutes per case)
+      cases.erase(std::remove_if(cases.begin(), cases.end(), [&](const Config& c) { return c.page != std::atoi(argv[3]); }),
+                  cases.end());
+  } else if (small) {
     for (int H : {64, 128, 256})
       for (bool causal : {false, true}) {
         cases.push_back({1, 17, 33, 2, 1, H, causal, BF, 0});
@@ -791,10 +828,7 @@ int main(int argc, char** argv) {
       cases.push_back({1, 300, 200, 2, 1, H, false, FP, 0, kWindow | kSteepAlibi});
       cases.push_back({1, 150, 200, 2, 1, H, true, BF, 0, kDropout});
     }
-    for (int H : {64, 128, 256}) {  // paged caches (rows past the lengths NaN)
-      cases.push_back({2, 1, 512, 4, 1, H, true, BF, 0, kPaged | kLengths | kBottomRight});
-      cases.push_back({2, 17, 384, 4, 2, H, false, FP, 0, kPaged | kLengths});
-    }
+    for (int H : {64, 128, 256}) add_paged_cases(cases, H, true);
     // Head dims between the kernels' run on the next wider kernel (api.h, kernel_head_dim).
     for (int H : {32, 96, 192}) {
       cases.push_back({2, 200, 150, 2, 2, H, true, FP, 8});
@@ -857,16 +891,11 @@ int main(int argc, char** argv) {
       cases.push_back({2, 300, 255, 4, 2, H, true, FP, 8, kDropout | kLengths | kBottomRight});
       cases.push_back({1, 1100, 1300, 4, 2, H, true, BF, 0, kDropout | kAlibi | kSegments | kWindow});
       cases.push_back({2, 1000, 255, 8, 2, H, true, FP, 0, kAll | kDropout});
-      // Paged caches: decode-shaped, a few queries with ALiBi, many with a window and soft-capping;
-      // without lengths (every row valid) too.
-      cases.push_back({3, 1, 1024, 8, 2, H, true, BF, 0, kPaged | kLengths | kBottomRight});
-      cases.push_back({2, 64, 768, 4, 2, H, true, FP, 0, kPaged | kLengths | kBottomRight | kAlibi});
-      cases.push_back({2, 300, 512, 4, 1, H, false, BF, 0, kPaged | kWindow | kSoftcap});
-      cases.push_back({1, 200, 1280, 4, 4, H, true, BF, 0, kPaged | kLengths | kSegments});
+      add_paged_cases(cases, H, false);
     }
   }
   for (auto& c : cases) run_case(c, rng);
-  if (!small && !masks_only && !ordered_only) {
+  if (!small && !paged_only && !masks_only && !ordered_only) {
     for (int H : {64, 128, 256})
       for (bool causal : {false, true}) bench(BF, H, 1, 16384, 2048 / H, causal);
   }
