@@ -29,7 +29,8 @@ from ._options import Extras
 
 # Eligible calls: T at most this many queries (after folding the heads of a group)...
 _MAX_ROWS = 64
-# ...against blocks of at least this many keys (a multiple of the kernels' 128-key tiles).
+# ...against blocks of at least this many keys (a multiple of the kernels' 128-key tiles, or of a
+# paged cache's pages: chunk_counts' granule).
 _MIN_CHUNK = 512
 # CTAs the split aims for per SM (one CTA per SM runs at a time on the Hopper forward).
 _WAVES = 2

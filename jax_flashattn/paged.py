@@ -155,11 +155,14 @@ def _in_place(q, key_cache, value_cache, block_table, lengths, slopes, scale, co
     plan = None
     if split and not explicitly_sharded(q, key_cache, value_cache):
         # Key blocks of whole pages, and of whole 128-key tiles where the pages allow it: a block
-        # that ends inside a tile reads that tile's rows past its end for nothing.
+        # that ends inside a tile reads that tile's rows past its end for nothing. A plan without
+        # a split (heads folded only) gives way to one that splits into whole pages.
         k_shape = (B, block_table.shape[1] * page_size, K, H)
         for granule in dict.fromkeys((math.lcm(page_size, 128), page_size)):
-            plan = decode.split_plan(q.shape, k_shape, config, extras, implementation, granule=granule)
-            if plan is not None:
+            candidate = decode.split_plan(q.shape, k_shape, config, extras, implementation, granule=granule)
+            if candidate is not None and (plan is None or candidate.chunks > 1):
+                plan = candidate
+            if plan is not None and plan.chunks > 1:
                 break
     if plan is None:
         return call(q, key_cache, value_cache, config, extras)

@@ -252,6 +252,20 @@ def test_in_place_path_never_copies_the_cache(monkeypatch):
     assert plan.chunks > 1 and f"i32[{2 * plan.chunks},{16 // plan.chunks}]" in jaxpr
 
 
+def test_in_place_blocks_of_whole_pages_when_tiles_do_not_divide(monkeypatch):
+    """16-row pages whose 2064 rows make no whole number of 128-key tiles per block: the call is
+    still cut into blocks, of whole pages (3 blocks of 43 pages), rather than left unsplit with
+    the heads folded only; 1280 rows split into whole tiles (2 blocks of 40 pages)."""
+    _run_cuda_branch(monkeypatch)
+    q = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((300, 16, 2, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    for max_pages, sliced in ((129, "i32[6,43]"), (80, "i32[4,40]")):
+        table = jax.ShapeDtypeStruct((2, max_pages), jnp.int32)
+        jaxpr = str(jax.make_jaxpr(lambda *a: jfa.paged_attention(*a, is_causal=True))(q, cache, cache, table, lengths))
+        assert "jfa_paged_fwd" in jaxpr and sliced in jaxpr, (max_pages, sliced)
+
+
 def test_vmap_with_a_shared_pool(monkeypatch):
     """vmap over the queries, tables and lengths of one shared pool (in_axes None for the caches),
     on both paths."""

@@ -133,7 +133,7 @@ ffi::Error check_paged_support(const AttentionParams& p) {
 #endif
   const int64_t rows = cuda_paged_page_rows(p.H);
   return invalid("block_table: paged key/value caches are read in place only by the Hopper (sm90) forward, at "
-                 "page sizes that are multiples of " + std::to_string(rows > 0 ? rows : 128) + " (page_size " +
+                 "page sizes that are multiples of " + std::to_string(rows > 0 ? rows : 16) + " (page_size " +
                  std::to_string(p.paged.page_size) + ", head dim " + std::to_string(p.H) +
                  "); paged_attention gathers the pages elsewhere");
 }

@@ -751,8 +751,9 @@ static void host_cost() {
 }
 
 // Paged caches (rows past the lengths and unused pages NaN). Small: decode-shaped calls on pages of
-// a key tile or more, and on pages smaller than a tile (loaded in chunks), S not a multiple of the
-// tile (the last tile's rows past the table come from its last page). Full: decode-shaped, a few
+// a key tile or more, and on pages smaller than a tile or no multiple of it (loaded in chunks that
+// may start inside a page), S not a multiple of the tile (the last tile's rows past the table come
+// from its last page). Full: decode-shaped, a few
 // queries with ALiBi, many with a window and soft-capping; without lengths (every row valid) too.
 void add_paged_cases(std::vector<Config>& cases, int H, bool small) {
   const DType BF = DType::kBFloat16, FP = DType::kFloat16;
@@ -760,7 +761,8 @@ void add_paged_cases(std::vector<Config>& cases, int H, bool small) {
   cases.push_back({2, 1, 512, 4, 1, H, true, BF, 0, paged | kBottomRight});
   cases.push_back({2, 17, 384, 4, 2, H, false, FP, 0, paged});
   cases.push_back({2, 3, 400, 4, 2, H, true, BF, 0, paged | kBottomRight, 16});
-  cases.push_back({2, 1, 432, 8, 2, H, false, FP, 0, paged | kSoftcap, 48});
+  cases.push_back({2, 1, 432, 8, 2, H, false, BF, 0, paged | kSoftcap, 48});
+  cases.push_back({2, 2, 576, 4, 2, H, true, BF, 0, paged | kBottomRight, 192});  // wide chunks inside pages
   cases.push_back({1, 5, 320, 4, 1, H, true, BF, 0, paged | kBottomRight | kAlibi, 64});
   if (small) return;
   cases.push_back({3, 1, 1024, 8, 2, H, true, BF, 0, paged | kBottomRight});
