@@ -753,8 +753,8 @@ static void host_cost() {
 // Paged caches (rows past the lengths and unused pages NaN). Small: decode-shaped calls on pages of
 // a key tile or more, and on pages smaller than a tile or no multiple of it (loaded in chunks that
 // may start inside a page), S not a multiple of the tile (the last tile's rows past the table come
-// from its last page). Full: decode-shaped, a few
-// queries with ALiBi, many with a window and soft-capping; without lengths (every row valid) too.
+// from its last page). Full, besides: decode-shaped, a few queries with ALiBi, many with a window
+// and soft-capping, on pages of every size; without lengths (every row valid) too.
 void add_paged_cases(std::vector<Config>& cases, int H, bool small) {
   const DType BF = DType::kBFloat16, FP = DType::kFloat16;
   const int paged = kPaged | kLengths;
@@ -797,7 +797,7 @@ int main(int argc, char** argv) {
   }
   const bool small = mode == "--small", masks_bwd = mode == "--masks-bwd", masks_only = mode == "--masks" || masks_bwd;
   const bool ordered_only = mode == "--deterministic-bwd";
-  // --paged [H]: the paged cases alone (sanitizers on a build of one head dim).
+  // --paged [H [page]]: the paged cases alone (sanitizers on a build of one head dim).
   const bool paged_only = mode == "--paged";
   const bool bench_only = mode == "--bench" || masks_only || ordered_only;
   const unsigned seed = std::random_device{}();
