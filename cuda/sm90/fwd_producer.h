@@ -40,8 +40,13 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     const int kv_head = t.head / p.group;
     Tensor gK = local_tile(mK(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gV = local_tile(mV(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // Named tensors, not structured bindings: the loaders below capture them, which C++17 forbids for bindings.
+    auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto const& tKgK = get<0>(k_parts);
+    auto const& tKsK = get<1>(k_parts);
+    auto const& tVgV = get<0>(v_parts);
+    auto const& tVsV = get<1>(v_parts);
 
     auto load = [&](auto& pipeline, auto const& tma, auto const& narrow, auto const& wide, auto const& m,
                     auto const& s, auto const& tg, auto const& ts, int n, PipelineState const& st) {
