@@ -16,6 +16,7 @@ per shard. vmap folds every mapped axis into B (placeholders stay as they are).
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -143,10 +144,16 @@ def _cuda_forward(ctx, *args, config):
     return _ffi_fwd(ctx, *args, **_config_attrs(config))
 
 
+def _xla_backward_wanted(config):
+    """deterministic=False runs XLA's tensor-core GEMMs (_sparse_xla_backward.py) unless
+    JFA_SPARSE_BACKWARD=kernel (read when a call is traced) picks the CUDA kernels, tensor cores
+    where they take the call, for A/B timing. deterministic=True always runs the kernels: XLA's
+    scatter-add has no fixed order."""
+    return not config.deterministic and os.environ.get("JFA_SPARSE_BACKWARD", "xla") != "kernel"
+
+
 def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
-    if not config.deterministic:
-        # Tensor-core GEMMs through XLA (the backward kernel runs on CUDA cores); XLA's scatter-add
-        # has no fixed order, so deterministic=True keeps the kernel.
+    if _xla_backward_wanted(config):
         dq, dk, dv = xla_backward(q, k, v if v.ndim else None, indices, o, lse, do, dlse, config)
         return dq, dk, (jnp.zeros((), q.dtype) if dv is None else dv)
     B, S, K, H = k.shape

@@ -404,7 +404,8 @@ def test_errors_name_the_argument(call, error, words):
 # (B, T, S, N, K, H, Hv, topk): odd sizes, GQA, T = 1, topk past S, topk not a multiple of the
 # kernels' steps; DeepSeek V3.2's head dims (MLA: V is key[..., :512]) with 16 heads per key head
 # (16-row tensor-core tiles) and with 128 (64-row tiles; on Hopper the wgmma kernel), and two key
-# heads of 64 with topk one 64-slot block; a group of 32 in 64-row tiles.
+# heads of 64 with topk one 64-slot block; a group of 32 in 64-row tiles; a group of 64 at H 128
+# (the tensor-core backward's 64-head tiles).
 GPU_CASES = [
     ((2, 33, 70, 8, 2, 64, 64, 40), False),
     ((1, 1, 9, 4, 1, 128, 128, 13), False),
@@ -413,27 +414,40 @@ GPU_CASES = [
     ((1, 5, 300, 128, 1, 576, 512, 200), True),
     ((2, 3, 150, 128, 2, 576, 512, 64), True),
     ((1, 7, 90, 64, 2, 64, 64, 70), False),
+    ((1, 5, 120, 64, 1, 128, 128, 100), False),
 ]
+
+
+# The three GPU backwards: XLA's (deterministic=False), the CUDA kernels' atomics (the same call
+# with JFA_SPARSE_BACKWARD=kernel: tensor cores where they take it) and the ordered scatter.
+BACKWARDS = ["xla", "kernel", "ordered"]
+
+
+def use_backward(backward, monkeypatch):
+    """The keywords and environment of one of BACKWARDS."""
+    if backward == "kernel":
+        monkeypatch.setenv("JFA_SPARSE_BACKWARD", "kernel")
+    return dict(deterministic=backward == "ordered")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("shape, shared_value", GPU_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
-def test_gpu_matches_reference(shape, shared_value, causal, deterministic, dtype):
+def test_gpu_matches_reference(shape, shared_value, causal, backward, dtype, monkeypatch):
     kw = {} if causal is None else dict(is_causal=True, causal_alignment=causal)
     check_against_reference(fresh_seed(), shape, dtype=dtype, shared_value=shared_value, empty_rows=1,
-                            deterministic=deterministic, **kw)
+                            **use_backward(backward, monkeypatch), **kw)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
-def test_gpu_float32_matches_reference(deterministic):
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_gpu_float32_matches_reference(backward, monkeypatch):
     """float32 on the GPU: the CUDA-core forward, and a backward at float32's bounds (the XLA form's
-    products in full float32, not TF32)."""
+    products in full float32, not TF32; the kernels' on CUDA cores)."""
     check_against_reference(fresh_seed(), (2, 9, 40, 8, 2, 64, 48, 21), dtype=jnp.float32, empty_rows=1,
-                            is_causal=True, deterministic=deterministic)
+                            is_causal=True, **use_backward(backward, monkeypatch))
 
 
 @pytest.mark.gpu

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) attn_dist_tc_kernel(Sparse
   row_lse_log2<Shape>(p, it, role, lse);
   const int64_t groups = p.N / p.head_group;
   float* dist = p.dist + ((it.b * groups + it.n0 / p.head_group) * p.T + it.t) * p.topk;
-  for_each_step<Shape>(p, it, sq, sk, static_cast<Elem*>(nullptr), valid, [&](int64_t step, int buf) {
+  for_each_step<Shape>(p, it, sq, sk, static_cast<Elem*>(nullptr), valid, nullptr, [&](int64_t step, int buf) {
     float s[Shape::kKeyTiles][4];
     step_logits<Shape>(role, sq, sk + buf * kKBuffer, exchange, s);
     const uint8_t* step_valid = valid + buf * Shape::kKeys;

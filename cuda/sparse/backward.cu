@@ -1,7 +1,8 @@
-// Backward of top-k sparse attention on CUDA cores, in three launches:
+// Backward of top-k sparse attention, in three launches:
 //   1. softmax_d: D = rowsum(dO∘O) − dLSE per (query, head), one warp each;
-//   2. the gradients: dQ per (query, head) CTA, and dK/dV scattered into float32 accumulators,
-//      by the same CTA with atomics or, when deterministic, by the CTA that owns each key row
+//   2. the gradients: on tensor cores where backward_tensor_cores.cu takes the call; else on CUDA
+//      cores, dQ per (query, head) CTA, and dK/dV scattered into float32 accumulators, by the same
+//      CTA with atomics or, when deterministic, by the CTA that owns each key row
 //      (backward_ordered.cuh);
 //   3. convert: the accumulators rounded into dk and dv.
 #include <cmath>
@@ -119,7 +120,10 @@ unsigned convert_grid(int64_t count) {
 
 }  // namespace
 
-cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream) {
+cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
+                     BackwardKernels kernels) {
+  const bool tensor_cores = kernels != BackwardKernels::kCudaCores && backward_tensor_cores_takes(p);
+  if (kernels == BackwardKernels::kTensorCores && !tensor_cores) return cudaErrorNotSupported;
   const unsigned rows_grid = grid_of((p.B * p.T * p.N + kWarps - 1) / kWarps);
   const unsigned query_grid = grid_of(p.B * p.T * p.N);
   if (rows_grid == 0 || query_grid == 0) return cudaErrorInvalidConfiguration;
@@ -134,6 +138,8 @@ cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, c
     if (p.deterministic) {
       query_kernel<Elem, false><<<query_grid, kThreads, smem, stream>>>(p, ws);
       if (cudaError_t e = launch_ordered_backward<Elem>(p, ws, stream); e != cudaSuccess) return e;
+    } else if (tensor_cores) {
+      if (cudaError_t e = backward_tensor_cores(p, ws, stream); e != cudaSuccess) return e;
     } else {
       query_kernel<Elem, true><<<query_grid, kThreads, smem, stream>>>(p, ws);
     }

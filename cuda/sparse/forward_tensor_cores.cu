@@ -58,27 +58,6 @@ __device__ __forceinline__ void softmax_step(float scale_log2, const uint8_t* va
   }
 }
 
-// o (this warp's half of the value columns) += P·V over the step's keys.
-template <typename Shape, typename Elem>
-__device__ __forceinline__ void accumulate_pv(const WarpRole<Shape>& role, const float (&s)[Shape::kKeyTiles][4],
-                                              const Elem* sv, int v_stride, float (&o)[Shape::kDimV / 16][4]) {
-  const int lane = role.lane;
-  const Elem* v_row = sv + (lane % 8 + lane / 8 % 2 * 8) * v_stride + role.half * (Shape::kDimV / 2) + lane / 16 * 8;
-#pragma unroll
-  for (int kk = 0; kk < Shape::kKeys / 16; ++kk) {
-    const uint32_t a[4] = {mma::pack2<Elem>(s[2 * kk][0], s[2 * kk][1]), mma::pack2<Elem>(s[2 * kk][2], s[2 * kk][3]),
-                           mma::pack2<Elem>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           mma::pack2<Elem>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-    for (int nc = 0; nc < Shape::kDimV / 32; ++nc) {
-      uint32_t b[4];
-      mma::ldmatrix_x4_trans(b, v_row + kk * 16 * v_stride + nc * 16);
-      mma::mma_16816<Elem>(o[2 * nc], a, b[0], b[1]);
-      mma::mma_16816<Elem>(o[2 * nc + 1], a, b[2], b[3]);
-    }
-  }
-}
-
 // Normalizes and writes this warp's output columns, and (half 0) the LSE of its rows.
 template <typename Shape, typename Elem>
 __device__ __forceinline__ void write_output(const SparseParams& p, const TileItem& it, const WarpRole<Shape>& role,
@@ -126,14 +105,14 @@ __global__ void __launch_bounds__(Shape::kThreads, 1) sparse_forward_tc_kernel(S
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
   RowStats stats;
-  for_each_step<Shape>(p, it, sq, sk, sv, valid, [&](int64_t, int buf) {
+  for_each_step<Shape>(p, it, sq, sk, sv, valid, nullptr, [&](int64_t, int buf) {
     float s[Shape::kKeyTiles][4];
     step_logits<Shape>(role, sq, sk + buf * kKBuffer, exchange, s);
     softmax_step<Shape>(scale_log2, valid + buf * Shape::kKeys, role.lane, s, stats, o);
     if (separate_v)
-      accumulate_pv<Shape>(role, s, sv + buf * kVBuffer, Shape::kVStride, o);
+      accumulate_half_columns<Shape, Shape::kDimV>(role, s, sv + buf * kVBuffer, Shape::kVStride, o);
     else
-      accumulate_pv<Shape>(role, s, sk + buf * kKBuffer, Shape::kQStride, o);
+      accumulate_half_columns<Shape, Shape::kDimV>(role, s, sk + buf * kKBuffer, Shape::kQStride, o);
   });
   write_output<Shape, Elem>(p, it, role, stats, o);
 }

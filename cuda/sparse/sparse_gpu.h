@@ -4,8 +4,10 @@
 // forward() and attn_dist() run tensor-core kernels (sm80 mma.sync) where they take the call:
 // float16/bfloat16, H and Hv multiples of 8 up to 576 and 512, the tiles within the device's shared
 // memory (attn_dist: head groups of 16, 32, 64 or 128 within a key head's group). Other calls run
-// portable CUDA-core kernels (float32 too, any size). The backward is CUDA-core only: jax_flashattn
-// runs it for deterministic=True and otherwise computes the gradients with XLA (_sparse_xla_backward.py).
+// portable CUDA-core kernels (float32 too, any size). The backward has a tensor-core kernel for
+// deterministic=False on the forward's shapes (atomics into float32 accumulators) and CUDA-core
+// kernels for the rest; jax_flashattn runs the latter for deterministic=True and otherwise still
+// computes the gradients with XLA (_sparse_xla_backward.py).
 // On Hopper, the FFI handler first offers the forward and attn_dist to cuda/sm90's wgmma kernels
 // (sm90/api.h, can_implement_sparse_forward / can_implement_attn_dist: MLA's shape); what they do
 // not take comes here.
@@ -38,9 +40,20 @@ cudaError_t forward(const SparseParams& p, cudaStream_t stream);
 cudaError_t forward_tensor_cores(const SparseParams& p, cudaStream_t stream);
 cudaError_t forward_cuda_cores(const SparseParams& p, cudaStream_t stream);
 
+// Which kernels compute the gradients: kAuto the tensor-core one for the calls it takes
+// (deterministic off, its dtypes and head dims within the device's shared memory), else the
+// CUDA-core ones; the others force one of the two (tests/cuda/sparse_check.cu runs each), and
+// kTensorCores returns cudaErrorNotSupported, launching nothing, for a call it does not take.
+enum class BackwardKernels { kAuto, kTensorCores, kCudaCores };
+
 // Writes dq, dk, dv. With p.deterministic every key row's gradient is summed by one CTA in
 // (query, slot, head) order; otherwise float atomics scatter it in whatever order CTAs run.
-cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream);
+cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
+                     BackwardKernels kernels = BackwardKernels::kAuto);
+// The tensor-core gradients kernel (backward_tensor_cores.cu): whether it takes a call, and the
+// launch, which reads ws.softmax_d and adds into the zeroed accumulators.
+bool backward_tensor_cores_takes(const SparseParams& p);
+cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream);
 
 // Writes dist (deterministic: every element is summed in the same order on every run).
 cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream);

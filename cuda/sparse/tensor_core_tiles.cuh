@@ -151,17 +151,25 @@ __device__ __forceinline__ TileItem tile_item(const SparseParams& p) {
   return it;
 }
 
-// Q rows of the CTA's heads into shared memory (zeros past the head dim and past n_end).
-template <typename Shape, typename Elem>
-__device__ __forceinline__ void load_queries(const SparseParams& p, const TileItem& it, Elem* sq) {
-  constexpr int kChunks = Shape::kDimQK / 8;
-  const Elem* q = static_cast<const Elem*>(p.q);
+// Rows of the CTA's heads into shared memory with row stride kStride: head n's row starts at
+// src + row_of(n); zeros past `dim` columns (up to kWidth) and past n_end.
+template <typename Shape, int kWidth, int kStride, typename Elem, typename RowOf>
+__device__ __forceinline__ void load_head_rows(const TileItem& it, const Elem* src, int64_t dim, RowOf row_of,
+                                               Elem* dst) {
+  constexpr int kChunks = kWidth / 8;
   for (int i = threadIdx.x; i < Shape::kRows * kChunks; i += Shape::kThreads) {
     const int row = i / kChunks, col = i % kChunks * 8;
     const int64_t n = it.n0 + row;
-    const bool read = n < it.n_end && col < p.H;
-    mma::copy_16b(sq + row * Shape::kQStride + col, read ? q + p.q_row(it.b, it.t, n) + col : q, read);
+    const bool read = n < it.n_end && col < dim;
+    mma::copy_16b(dst + row * kStride + col, read ? src + row_of(n) + col : src, read);
   }
+}
+
+// Q rows of the CTA's heads into shared memory (zeros past the head dim and past n_end).
+template <typename Shape, typename Elem>
+__device__ __forceinline__ void load_queries(const SparseParams& p, const TileItem& it, Elem* sq) {
+  load_head_rows<Shape, Shape::kDimQK, Shape::kQStride>(
+      it, static_cast<const Elem*>(p.q), p.H, [&](int64_t n) { return p.q_row(it.b, it.t, n); }, sq);
 }
 
 // The selected rows of one step: the thread's share of copying them into a ring buffer. Each
@@ -186,8 +194,9 @@ struct StepLoader {
   }
 
   // Starts the copies of the fetched step's rows into buffer `buf` (zeros for an invalid slot, whose
-  // row is never read, and past the head dims) and marks which slots are valid.
-  __device__ __forceinline__ void copy(int buf, Elem* sk, Elem* sv, uint8_t* valid) const {
+  // row is never read, and past the head dims) and marks which slots are valid; where `rows` is
+  // given, also which key row each slot holds (-1: invalid), for the backward's scatter.
+  __device__ __forceinline__ void copy(int buf, Elem* sk, Elem* sv, uint8_t* valid, int32_t* rows) const {
     const int32_t s = next_index;
     const bool ok = sparse_index_valid(p, it.t, s);
     copy_row<Shape::kDimQK, Shape::kQStride>(static_cast<const Elem*>(p.k), ok ? p.k_row(it.b, s, it.kh) : 0, p.H,
@@ -195,7 +204,10 @@ struct StepLoader {
     if (sv != nullptr)
       copy_row<Shape::kDimV, Shape::kVStride>(static_cast<const Elem*>(p.v), ok ? p.v_row(it.b, s, it.kh) : 0, p.Hv,
                                               ok, sv + (buf * Shape::kKeys + key) * Shape::kVStride);
-    if (first_chunk == 0) valid[buf * Shape::kKeys + key] = ok;
+    if (first_chunk == 0) {
+      valid[buf * Shape::kKeys + key] = ok;
+      if (rows != nullptr) rows[buf * Shape::kKeys + key] = ok ? s : -1;
+    }
   }
 
   template <int kWidth, int kStride>
@@ -209,10 +221,11 @@ struct StepLoader {
 };
 
 // Runs body(step, buf) for each step of the CTA's selected slots, its rows in ring buffer `buf`,
-// with the copies of the next kStages − 1 steps in flight. Loads the CTA's queries first.
+// with the copies of the next kStages − 1 steps in flight. Loads the CTA's queries first (in the
+// first step's copies, as is anything the caller started copying before). `rows` may be null.
 template <typename Shape, typename Elem, typename Body>
 __device__ __forceinline__ void for_each_step(const SparseParams& p, const TileItem& it, Elem* sq, Elem* sk, Elem* sv,
-                                              uint8_t* valid, Body&& body) {
+                                              uint8_t* valid, int32_t* rows, Body&& body) {
   StepLoader<Shape, Elem> loader(p, it);
   load_queries<Shape>(p, it, sq);
   const int64_t steps = (p.topk + Shape::kKeys - 1) / Shape::kKeys;
@@ -220,7 +233,7 @@ __device__ __forceinline__ void for_each_step(const SparseParams& p, const TileI
   for (int step = 0; step < Shape::kStages - 1; ++step) {
     if (step < steps) {
       loader.fetch_index(step);
-      loader.copy(step, sk, sv, valid);
+      loader.copy(step, sk, sv, valid, rows);
     }
     mma::commit_copies();  // (empty groups too: every step commits one, so wait_copies counts steps)
   }
@@ -230,7 +243,7 @@ __device__ __forceinline__ void for_each_step(const SparseParams& p, const TileI
     __syncthreads();  // the step's rows are in; every warp is done with the buffer refilled next
     const int64_t ahead = step + Shape::kStages - 1;
     if (ahead < steps) {
-      loader.copy(ahead % Shape::kStages, sk, sv, valid);
+      loader.copy(ahead % Shape::kStages, sk, sv, valid, rows);
       loader.fetch_index(ahead + 1);
     }
     mma::commit_copies();
@@ -253,30 +266,33 @@ struct WarpRole {
   __device__ __forceinline__ void pair_barrier() const { mma::barrier(1 + row_group, 64); }
 };
 
-// logits[nt][e] = q·k of the pair's 16 rows and the step's keys (fragment layout of n8 tile nt): this
-// warp's half of the head dim, then the partner's half added through `exchange`.
-template <typename Shape, typename Elem>
-__device__ __forceinline__ void step_logits(const WarpRole<Shape>& role, const Elem* sq, const Elem* sk,
-                                            float* exchange, float (&logits)[Shape::kKeyTiles][4]) {
+// out[nt][e] = a·b over kDim columns, for the pair's 16 rows of `a` (row stride kAStride: the CTA's
+// queries, or their output gradients) and the step's kKeys rows of `b` (row stride b_stride: the
+// gathered keys or values): this warp's half of the columns, then the partner's half added through
+// `exchange`. Both warps of the pair end with the same sums.
+template <typename Shape, int kDim, int kAStride, typename Elem>
+__device__ __forceinline__ void pair_products(const WarpRole<Shape>& role, const Elem* a, const Elem* b, int b_stride,
+                                              float* exchange, float (&out)[Shape::kKeyTiles][4]) {
+  static_assert(kDim % 32 == 0, "each warp of a pair takes whole k16 steps");
 #pragma unroll
   for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) logits[nt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) out[nt][e] = 0.f;
   const int lane = role.lane;
-  const Elem* q_row = sq + (role.row_group * 16 + lane % 16) * Shape::kQStride + lane / 16 * 8;
-  const Elem* k_row = sk + (lane % 8 + lane / 16 * 8) * Shape::kQStride + lane / 8 % 2 * 8;
-  constexpr int kHalfSteps = Shape::kDimSteps / 2;
+  const Elem* a_row = a + (role.row_group * 16 + lane % 16) * kAStride + lane / 16 * 8;
+  const Elem* b_row = b + (lane % 8 + lane / 16 * 8) * b_stride + lane / 8 % 2 * 8;
+  constexpr int kHalfSteps = kDim / 32;
 #pragma unroll
   for (int step = 0; step < kHalfSteps; ++step) {
     const int col = (role.half * kHalfSteps + step) * 16;
-    uint32_t a[4];
-    mma::ldmatrix_x4(a, q_row + col);
+    uint32_t a_frag[4];
+    mma::ldmatrix_x4(a_frag, a_row + col);
 #pragma unroll
     for (int kt = 0; kt < Shape::kKeyTiles / 2; ++kt) {
-      uint32_t b[4];
-      mma::ldmatrix_x4(b, k_row + kt * 16 * Shape::kQStride + col);
-      mma::mma_16816<Elem>(logits[2 * kt], a, b[0], b[1]);
-      mma::mma_16816<Elem>(logits[2 * kt + 1], a, b[2], b[3]);
+      uint32_t b_frag[4];
+      mma::ldmatrix_x4(b_frag, b_row + kt * 16 * b_stride + col);
+      mma::mma_16816<Elem>(out[2 * kt], a_frag, b_frag[0], b_frag[1]);
+      mma::mma_16816<Elem>(out[2 * kt + 1], a_frag, b_frag[2], b_frag[3]);
     }
   }
   float* mine = exchange + (role.warp * Shape::kKeyTiles * 4) * 32 + lane;
@@ -284,14 +300,44 @@ __device__ __forceinline__ void step_logits(const WarpRole<Shape>& role, const E
 #pragma unroll
   for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = logits[nt][e];
+    for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32] = out[nt][e];
   role.pair_barrier();
 #pragma unroll
   for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) logits[nt][e] += theirs[(nt * 4 + e) * 32];
+    for (int e = 0; e < 4; ++e) out[nt][e] += theirs[(nt * 4 + e) * 32];
 }
 
+// logits[nt][e] = q·k of the pair's 16 rows and the step's keys (fragment layout of n8 tile nt).
+template <typename Shape, typename Elem>
+__device__ __forceinline__ void step_logits(const WarpRole<Shape>& role, const Elem* sq, const Elem* sk,
+                                            float* exchange, float (&logits)[Shape::kKeyTiles][4]) {
+  pair_products<Shape, Shape::kDimQK, Shape::kQStride>(role, sq, sk, Shape::kQStride, exchange, logits);
+}
+
+// acc (this warp's half of kWidth columns) += W·R over the step's keys: W the pair's 16 x kKeys
+// weights in the logits' fragment layout (which is the A operand's: P in the forward, scale·dS for
+// the backward's dQ), R the step's gathered rows (values, or keys), row stride r_stride.
+template <typename Shape, int kWidth, typename Elem>
+__device__ __forceinline__ void accumulate_half_columns(const WarpRole<Shape>& role,
+                                                        const float (&w)[Shape::kKeyTiles][4], const Elem* r,
+                                                        int r_stride, float (&acc)[kWidth / 16][4]) {
+  const int lane = role.lane;
+  const Elem* r_row = r + (lane % 8 + lane / 8 % 2 * 8) * r_stride + role.half * (kWidth / 2) + lane / 16 * 8;
+#pragma unroll
+  for (int kk = 0; kk < Shape::kKeys / 16; ++kk) {
+    const uint32_t a[4] = {mma::pack2<Elem>(w[2 * kk][0], w[2 * kk][1]), mma::pack2<Elem>(w[2 * kk][2], w[2 * kk][3]),
+                           mma::pack2<Elem>(w[2 * kk + 1][0], w[2 * kk + 1][1]),
+                           mma::pack2<Elem>(w[2 * kk + 1][2], w[2 * kk + 1][3])};
+#pragma unroll
+    for (int nc = 0; nc < kWidth / 32; ++nc) {
+      uint32_t b[4];
+      mma::ldmatrix_x4_trans(b, r_row + kk * 16 * r_stride + nc * 16);
+      mma::mma_16816<Elem>(acc[2 * nc], a, b[0], b[1]);
+      mma::mma_16816<Elem>(acc[2 * nc + 1], a, b[2], b[3]);
+    }
+  }
+}
 
 // The step's key index of fragment element e of n8 tile nt (rows: e < 2 → lane / 4, else + 8).
 __device__ __forceinline__ int fragment_key(int nt, int e, int lane) { return nt * 8 + lane % 4 * 2 + (e & 1); }

@@ -1,9 +1,9 @@
 // The sparse-attention CUDA kernels (cuda/sparse/) against the C++ CPU kernels (cuda/cpu/sparse_*),
 // which tests/test_sparse_attention.py checks against the float32 reference: forward (o, lse),
-// backward (dq, dk, dv; atomic and ordered scatter, the ordered one run twice and compared bit for
-// bit) and attn_dist, on random float16 / bfloat16 problems with invalid (-1, negative, >= S,
-// int32 extremes, causally hidden) and repeated indices, rows with no valid index, value shared
-// with key or not. GPU outputs are poisoned (NaN) before each launch and every element is checked.
+// backward (dq, dk, dv; atomics on tensor cores and on CUDA cores, and the ordered scatter, run
+// twice and compared bit for bit) and attn_dist, on random float16 / bfloat16 problems with invalid
+// (-1, negative, >= S, int32 extremes, causally hidden) and repeated indices, rows with no valid
+// index, value shared with key or not. GPU outputs are poisoned (NaN) before each launch and every element is checked.
 // Standalone, so that compute-sanitizer runs it without JAX (--small: a few small cases).
 //
 //   nvcc -std=c++17 -O2 -arch=native -Icuda -Icuda/include tests/cuda/sparse_check.cu cuda/sparse/*.cu \
@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -131,7 +132,7 @@ SparseParams shape_params(const Case& c) {
 // One of the kernels a public entry point chooses between.
 struct Kernel {
   std::string name;
-  cudaError_t (*run)(const SparseParams&, cudaStream_t);
+  std::function<cudaError_t(const SparseParams&, cudaStream_t)> run;
 };
 
 #ifdef JFA_SPARSE_CHECK_SM90
@@ -224,22 +225,36 @@ void run_case(const Case& c, std::mt19937& rng) {
   jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), c.shared_value ? nullptr : d_dv_acc.as<float>(),
                                               d_softmax_d.as<float>()};
   std::vector<uint16_t> first_dk;
-  for (bool deterministic : {false, true, true}) {
-    g.deterministic = deterministic;
+  using jfa::sparse_gpu::BackwardKernels;
+  struct BackwardRun {
+    std::string name;
+    bool deterministic;
+    BackwardKernels kernels;
+  };
+  // Atomics on tensor cores (where that kernel takes the call) and on CUDA cores; the ordered
+  // scatter twice.
+  for (const BackwardRun& run : {BackwardRun{"tensor-core backward", false, BackwardKernels::kTensorCores},
+                                 BackwardRun{"atomic backward", false, BackwardKernels::kCudaCores},
+                                 BackwardRun{"ordered backward", true, BackwardKernels::kAuto},
+                                 BackwardRun{"ordered backward", true, BackwardKernels::kAuto}}) {
+    g.deterministic = run.deterministic;
     d_dq.poison(); d_dk.poison(); d_dv.poison(); d_dk_acc.poison(); d_dv_acc.poison(); d_softmax_d.poison();
-    CK(jfa::sparse_gpu::backward(g, ws, nullptr));
-    CK(cudaDeviceSynchronize());
+    if (!launched(Kernel{run.name, [&](const SparseParams& p, cudaStream_t stream) {
+                           return jfa::sparse_gpu::backward(p, ws, stream, run.kernels);
+                         }},
+                  g, c))
+      continue;
     const auto dk_raw = d_dk.download<uint16_t>();
     const double dq_err = rel_err(as_float(d_dq.download<uint16_t>(), dt), as_float(dq_ref, dt));
     const double dk_err = rel_err(as_float(dk_raw, dt), as_float(dk_ref, dt));
-    expect(dq_err <= grad_bound, deterministic ? "ordered dq" : "atomic dq", dq_err, c);
-    expect(dk_err <= grad_bound, deterministic ? "ordered dk" : "atomic dk", dk_err, c);
+    expect(dq_err <= grad_bound, (run.name + " dq").c_str(), dq_err, c);
+    expect(dk_err <= grad_bound, (run.name + " dk").c_str(), dk_err, c);
     if (!c.shared_value) {
       const double dv_err = rel_err(as_float(d_dv.download<uint16_t>(), dt), as_float(dv_ref, dt));
-      expect(dv_err <= grad_bound, deterministic ? "ordered dv" : "atomic dv", dv_err, c);
+      expect(dv_err <= grad_bound, (run.name + " dv").c_str(), dv_err, c);
     }
-    if (deterministic && !first_dk.empty()) expect(dk_raw == first_dk, "ordered dk bitwise repeat", 0, c);
-    if (deterministic) first_dk = dk_raw;
+    if (run.deterministic && !first_dk.empty()) expect(dk_raw == first_dk, "ordered dk bitwise repeat", 0, c);
+    if (run.deterministic) first_dk = dk_raw;
   }
 
   // attn_dist's parameters as its FFI handler decodes them: no value, Hv = 1.
@@ -265,9 +280,9 @@ void run_case(const Case& c, std::mt19937& rng) {
   }
 }
 
-// Times the tensor-core forward and attn_dist at DeepSeek V3.2's shapes (N 128, K 1, H 576, Hv 512,
-// topk 2048, causal bottom-right, one slot in a hundred -1), FLOPs as benchmarks/bench_sparse.py counts
-// them. A quick look without JAX; bench_sparse.py is the benchmark.
+// Times the tensor-core forward, backward and attn_dist at DeepSeek V3.2's shapes (N 128, K 1, H 576,
+// Hv 512, topk 2048, causal bottom-right, one slot in a hundred -1), FLOPs as
+// benchmarks/bench_sparse.py counts them. A quick look without JAX; bench_sparse.py is the benchmark.
 void bench(int64_t T, int64_t S) {
   Case c{1, T, S, 128, 1, 576, 512, 2048, true, true, true, DType::kBFloat16, 64};
   std::mt19937 rng(1);
@@ -286,7 +301,7 @@ void bench(int64_t T, int64_t S) {
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
-  auto time_ms = [&](cudaError_t (*run)(const SparseParams&, cudaStream_t), int reps) {
+  auto time_ms = [&](const std::function<cudaError_t(const SparseParams&, cudaStream_t)>& run, int reps) {
     CK(run(g, nullptr));
     CK(cudaEventRecord(start));
     for (int i = 0; i < reps; ++i) CK(run(g, nullptr));
@@ -313,6 +328,27 @@ void bench(int64_t T, int64_t S) {
          (long long)T, (long long)S, tc, fwd_flops / tc * 1e-9, cc, fwd_flops / cc * 1e-9);
   printf("bench T %lld S %lld: attn_dist tensor cores %.3f ms (%.1f TFLOP/s), CUDA cores %.3f ms (%.1f)\n",
          (long long)T, (long long)S, tc_dist, dist_flops / tc_dist * 1e-9, cc_dist, dist_flops / cc_dist * 1e-9);
+
+  // The backward of the forward above (its o and lse), dO random, dLSE 0; the time includes D, the
+  // accumulators' zeroing and their conversion.
+  const auto dout = random_half(c.T * c.N * c.Hv, c.dtype, rng);
+  DeviceBuffer d_dout(dout.size(), 2), d_dlse(c.T * c.N, 4), d_dq(q.size(), 2), d_dk(k.size(), 2);
+  DeviceBuffer d_dk_acc(k.size(), 4), d_softmax_d(c.T * c.N, 4);
+  d_dout.upload(dout);
+  CK(cudaMemset(d_dlse.ptr, 0, sizeof(float) * c.T * c.N));
+  CK(jfa::sparse_gpu::forward_tensor_cores(g, nullptr));
+  g.dout = d_dout.ptr; g.dlse = d_dlse.as<float>(); g.dq = d_dq.ptr; g.dk = d_dk.ptr; g.dv = nullptr;
+  const jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), nullptr, d_softmax_d.as<float>()};
+  auto backward_with = [&](jfa::sparse_gpu::BackwardKernels kernels) {
+    return [&, kernels](const SparseParams& p, cudaStream_t stream) {
+      return jfa::sparse_gpu::backward(p, ws, stream, kernels);
+    };
+  };
+  const double bwd_flops = 2.0 * c.topk * (3 * c.H + 2 * c.Hv) * c.N * c.T;
+  const double tc_bwd = time_ms(backward_with(jfa::sparse_gpu::BackwardKernels::kTensorCores), 10);
+  const double cc_bwd = time_ms(backward_with(jfa::sparse_gpu::BackwardKernels::kCudaCores), 1);
+  printf("bench T %lld S %lld: backward tensor cores %.3f ms (%.1f TFLOP/s), CUDA cores %.3f ms (%.1f)\n",
+         (long long)T, (long long)S, tc_bwd, bwd_flops / tc_bwd * 1e-9, cc_bwd, bwd_flops / cc_bwd * 1e-9);
 }
 
 }  // namespace
@@ -342,6 +378,8 @@ int main(int argc, char** argv) {
       // heads of 64 query heads each with a partial last pair.
       {1, 3, 100, 64, 1, 576, 512, 40, true, true, true, BF, 64},
       {2, 3, 200, 128, 2, 576, 512, 129, true, false, false, FP, 64},
+      // The tensor-core backward's 64-head tiles (a group of 64 at H 128, V separate).
+      {1, 4, 150, 64, 1, 128, 128, 90, false, true, true, BF, 64},
   };
   if (!small) {
     cases.push_back({1, 33, 300, 16, 1, 576, 512, 130, true, true, true, BF, 16});
