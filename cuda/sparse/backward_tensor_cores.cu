@@ -27,9 +27,10 @@ struct BackwardSmem {
   static constexpr size_t kDout = kQ + sizeof(Elem) * Shape::kRows * Shape::kQStride;
   static constexpr size_t kProbs = kDout + sizeof(Elem) * Shape::kRows * Shape::kVStride;
   static constexpr size_t kDscores = kProbs + sizeof(Elem) * Shape::kRows * kPStride;
-  // Two exchanges: the logits' and dP's partial sums, so that a pair needs one barrier for each.
+  // One exchange for the logits' and dP's partial sums in turn (a second would keep MLA's 64-head
+  // tiles out of a Hopper's shared memory).
   static constexpr size_t kExchange = kDscores + sizeof(Elem) * Shape::kRows * kPStride;
-  static constexpr size_t kRowsOf = kExchange + 2 * sizeof(float) * kExchangeFloats;
+  static constexpr size_t kRowsOf = kExchange + sizeof(float) * kExchangeFloats;
   static constexpr size_t kK = kRowsOf + sizeof(int32_t) * Shape::kStages * Shape::kKeys;
   static constexpr size_t kV = kK + sizeof(Elem) * Shape::kStages * Shape::kKeys * Shape::kQStride;
   __host__ __device__ static size_t valid(bool separate_v) {
@@ -70,9 +71,10 @@ __device__ __forceinline__ void probs_and_dscores(const SparseParams& p, const R
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e / 2;
-      const float prob = valid[fragment_key(nt, e, lane)] ? exp2f(s[nt][e] * scale_log2 - terms.lse_log2[r]) : 0.f;
+      const bool ok = valid[fragment_key(nt, e, lane)];
+      const float prob = ok ? exp2f(s[nt][e] * scale_log2 - terms.lse_log2[r]) : 0.f;
       s[nt][e] = prob;
-      dp[nt][e] = p.scale * prob * (dp[nt][e] - terms.d[r]);
+      dp[nt][e] = ok ? p.scale * prob * (dp[nt][e] - terms.d[r]) : 0.f;
     }
 }
 
@@ -209,8 +211,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     const int v_stride = separate_v ? Shape::kVStride : Shape::kQStride;
     float s[Shape::kKeyTiles][4], dp[Shape::kKeyTiles][4];
     step_logits<Shape>(role, sq, keys, exchange, s);
-    pair_products<Shape, Shape::kDimV, Shape::kVStride>(role, sdout, values, v_stride,
-                                                        exchange + Plan::kExchangeFloats, dp);
+    role.pair_barrier();  // the partner has read the logits' partials before dP's overwrite them
+    pair_products<Shape, Shape::kDimV, Shape::kVStride>(role, sdout, values, v_stride, exchange, dp);
     probs_and_dscores<Shape>(p, terms, valid + buf * Shape::kKeys, role.lane, s, dp);
     accumulate_half_columns<Shape, Shape::kDimQK>(role, dp, keys, Shape::kQStride, dq);
     if (role.half == 0) {  // both warps of a pair hold the same P and dS
@@ -237,7 +239,7 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
   if (smem > static_cast<size_t>(max_smem)) return cudaErrorNotSupported;
   const int64_t blocks = (p.group_size() + Shape::kRows - 1) / Shape::kRows;
   const unsigned grid = grid_of(p.B * p.T * p.K * blocks);
-  if (grid == 0) return cudaErrorNotSupported;
+  if (grid == 0) return cudaErrorInvalidConfiguration;
   if (!launch) return cudaSuccess;
   auto kernel = sparse_backward_tc_kernel<Shape, Elem>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -247,8 +249,8 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
   return cudaGetLastError();
 }
 
-// 64 heads per CTA where the group has more than 32 and they fit in shared memory, else 32, else
-// 16: the atomics per selected row fall with the heads a CTA sums over.
+// 64 heads per CTA where the group has more than 32 and they fit in shared memory (MLA's 576/512
+// on Hopper), else 32, else 16: the atomics per selected row fall with the heads a CTA sums over.
 cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, bool launch,
                               cudaStream_t stream) {
   if (p.deterministic || !tensor_core_shapes(p, /*reads_values=*/true)) return cudaErrorNotSupported;
