@@ -327,29 +327,33 @@ def test_cuda_lowering_of_the_in_place_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["t1-causal", "t4-causal", "t16-alibi", "t1-softcap-h64", "t2-window-h256"])
+@pytest.mark.parametrize("case", ["t1-causal", "t4-causal", "t4-fp16-causal", "t16-alibi", "t1-softcap-h64",
+                                  "t2-window-h256"])
 def test_hopper_reads_pages_in_place(case):
-    """On a Hopper GPU, pages of any multiple of 16 rows are read by the kernel (bf16 against the
-    float32 reference; NaN in the rows past each length and in unused pages, which must not reach
-    the result): pages smaller than a key tile in chunks, and key blocks of the split that end
-    inside a tile (2064 rows of 16-row pages split in three)."""
-    T, head_dim, kw = {
-        "t1-causal": (1, 128, dict(is_causal=True)),
-        "t4-causal": (4, 128, dict(is_causal=True)),
-        "t16-alibi": (16, 128, dict(is_causal=True, alibi_slopes=np.linspace(0.01, 0.1, 8, dtype=np.float32))),
-        "t1-softcap-h64": (1, 64, dict(softcap=5.0)),
-        "t2-window-h256": (2, 256, dict(is_causal=True, local_window_size=(300, 0))),
+    """On a Hopper GPU, pages of any multiple of 16 rows are read by the kernel (bf16, and fp16 once,
+    against the float32 reference; NaN in the rows past each length and in unused pages, which must
+    not reach the result): pages smaller than a key tile in chunks (64-row chunks inside 192-row
+    pages too), and key blocks of the split that end inside a tile (2064 rows of 16-row pages split
+    in three)."""
+    T, head_dim, kw, dtype = {
+        "t1-causal": (1, 128, dict(is_causal=True), jnp.bfloat16),
+        "t4-causal": (4, 128, dict(is_causal=True), jnp.bfloat16),
+        "t4-fp16-causal": (4, 128, dict(is_causal=True), jnp.float16),
+        "t16-alibi": (16, 128, dict(is_causal=True, alibi_slopes=np.linspace(0.01, 0.1, 8, dtype=np.float32)),
+                      jnp.bfloat16),
+        "t1-softcap-h64": (1, 64, dict(softcap=5.0), jnp.bfloat16),
+        "t2-window-h256": (2, 256, dict(is_causal=True, local_window_size=(300, 0)), jnp.bfloat16),
     }[case]
     seed = fresh_seed()
     for page_size, lengths in ((16, [1100, 517, 16]), (48, [2064, 95, 48]), (64, [1000, 64, 21]),
-                               (128, [1100, 517, 128]), (256, [2048, 300, 21])):
+                               (128, [1100, 517, 128]), (192, [2000, 300, 192]), (256, [2048, 300, 21])):
         q, kc, vc, table, lengths = make_cache(seed, 3, T, 8, 2, page_size, lengths, 2048 // page_size + 1,
                                                head_dim=head_dim)
-        assert paged._hopper_reads_pages(jnp.zeros(q.shape, jnp.bfloat16), vc, page_size), case
+        assert paged._hopper_reads_pages(jnp.zeros(q.shape, dtype), vc, page_size), case
         with jax.default_device(jax.devices("cpu")[0]):
             want = reference(q, kc, vc, table, lengths, **kw)[0]
-        bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-        got = jfa.paged_attention(bf16(q), bf16(kc), bf16(vc), table, lengths, **kw)
+        cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+        got = jfa.paged_attention(cast(q), cast(kc), cast(vc), table, lengths, **kw)
         assert rel_err(got, want) < 2e-2, f"seed {seed}, page size {page_size}: {rel_err(got, want)}"
 
 
