@@ -6,8 +6,8 @@
 //   2. dQ += scale·dS·K in registers, each warp of a pair half of the columns;
 //   3. P and scale·dS of all the CTA's heads go to shared memory, and the warps share out the columns
 //      of dK = scale·dSᵀ·Q and dV = Pᵀ·dO for the step's rows: summed over the CTA's heads on the
-//      tensor cores, then added into the float32 accumulators with atomics, so that a selected row
-//      takes one add per element per CTA rather than one per head.
+//      tensor cores, then added into the float32 accumulators with atomics (16-byte reductions on
+//      Hopper), so that a selected row takes one add per element per CTA rather than one per head.
 #include <cmath>
 
 #include "sparse/device_common.cuh"
@@ -91,13 +91,27 @@ __device__ __forceinline__ void store_rows(const WarpRole<Shape>& role, const fl
           mma::pack2<Elem>(w[nt][2 * r], w[nt][2 * r + 1]);
 }
 
-// Adds two adjacent floats into global memory (one vector reduction where the GPU has it).
-__device__ __forceinline__ void add_pair(float* dst, float a, float b) {
+// Adds a lane's accumulator fragment of one n8 tile (rows g and g + 8 of the m16 tile, g = lane / 4,
+// at row offsets row_offset[0] and [1], −1 for an invalid slot; columns col and col + 1) into `out`.
+// On Hopper as one 16-byte reduction per lane: the even lane of each pair takes row g's four
+// columns (its two and its neighbour's), the odd lane row g + 8's. Elsewhere as float atomics.
+__device__ __forceinline__ void add_fragment(float* out, const int64_t (&row_offset)[2], int col, const float (&v)[4],
+                                             int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+  const bool even = lane % 2 == 0;
+  const float got0 = __shfl_xor_sync(0xffffffffu, even ? v[2] : v[0], 1);
+  const float got1 = __shfl_xor_sync(0xffffffffu, even ? v[3] : v[1], 1);
+  const int64_t row = even ? row_offset[0] : row_offset[1];  // (a select: an index would put the array in local memory)
+  if (row >= 0)
+    atomicAdd(reinterpret_cast<float4*>(out + row + (col & ~3)),
+              even ? make_float4(v[0], v[1], got0, got1) : make_float4(got0, got1, v[2], v[3]));
 #else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (row_offset[h] >= 0) {
+      atomicAdd(out + row_offset[h] + col, v[2 * h]);
+      atomicAdd(out + row_offset[h] + col + 1, v[2 * h + 1]);
+    }
 #endif
 }
 
@@ -146,11 +160,10 @@ __device__ __forceinline__ void scatter_weighted_rows(const WarpRole<Shape>& rol
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int col = slice * 16 + j * 8 + lane % 4 * 2;  // even, and width is a multiple of 8
+        const int col = slice * 16 + j * 8 + lane % 4 * 2;
+        // Width is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
         if (col >= width) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (row_offset[mt][h] >= 0) add_pair(out + row_offset[mt][h] + col, acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+        add_fragment(out, row_offset[mt], col, acc[mt][j], lane);
       }
   }
 }
