@@ -10,8 +10,8 @@ block_until_ready make a round; the time is the median per-call time over `--rou
 implementations alternating round by round. FLOPs (FlashMLA's convention, invalid slots counted):
 fwd 2·topk·(H + Hv) per query head; fwdbwd adds the backward's 2·topk·(3·H + 2·Hv);
 attn_dist 2·topk·H. `jax_flashattn_kernelbwd` is the fwdbwd pass with the backward on the CUDA
-kernels (JFA_SPARSE_BACKWARD=kernel) instead of the default XLA form. Writes benchmarks/results/<date>-<device>-sparse.csv (DESIGN.md's columns;
-seqlen is S, T is --queries).
+kernels (JFA_SPARSE_BACKWARD=kernel) instead of the default XLA form. Writes
+benchmarks/results/<date>-<device>-sparse.csv (DESIGN.md's columns; seqlen is S, T is --queries).
 """
 from __future__ import annotations
 
