@@ -1,11 +1,17 @@
 """Test setup: CPU tests run on the CPU device even on a GPU machine; tests marked `gpu` run on
 the GPU and are skipped without one, unless JFA_REQUIRE_GPU=1 turns the skip into a failure.
 tests/multidevice needs fake CPU devices set before JAX starts: it is collected only in the
-child run that tests/test_multidevice.py starts (JFA_MULTIDEVICE=1)."""
+child run that tests/test_multidevice.py starts (JFA_MULTIDEVICE=1).
+
+Two settings for runs cut into time-limited calls (the GPU machine's scripts use them):
+JFA_TEST_SHARD=i/N keeps every N-th selected test starting at the i-th (1-based), so that N
+calls or GPUs share the suite evenly; JFA_REPORT_FAILURES=1 prints each failure the moment it
+is known, so that a run stopped by a time limit still names what failed."""
 from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import jax
 import pytest
@@ -41,3 +47,36 @@ def _device_for_test(request):
         device = jax.devices("cpu")[0]
     with jax.default_device(device):
         yield
+
+
+def _shard(value):
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"JFA_TEST_SHARD must be i/N with 1 <= i <= N, got {value!r}")
+    return index, count
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """JFA_TEST_SHARD=i/N: round robin over the tests left after -k and -m, so that each shard
+    gets a share of every parametrized family (their costs differ more than their counts)."""
+    value = os.environ.get("JFA_TEST_SHARD")
+    if not value:
+        return
+    index, count = _shard(value)
+    kept = [item for position, item in enumerate(items) if position % count == index - 1]
+    dropped = [item for position, item in enumerate(items) if position % count != index - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+def pytest_runtest_logreport(report):
+    """JFA_REPORT_FAILURES=1: a failure's test id and the end of its traceback, at once (under
+    pytest-xdist this runs in the controller, which receives every worker's reports)."""
+    if report.failed and os.environ.get("JFA_REPORT_FAILURES") == "1":
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+        sys.stderr.flush()

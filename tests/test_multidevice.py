@@ -15,6 +15,7 @@ def test_multidevice_suite():
     flags = os.environ.get("XLA_FLAGS", "")
     env = dict(os.environ, JFA_MULTIDEVICE="1", JFA_REQUIRE_DEVICES="1",
                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
+    env.pop("JFA_TEST_SHARD", None)  # this test is one shard's; the child runs all of its suite
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(HERE / "multidevice")], cwd=HERE.parent, env=env,
                          capture_output=True, text=True, timeout=1800)
