@@ -59,6 +59,13 @@ def _shard(value):
     return index, count
 
 
+def pytest_configure(config):
+    # Checked here too: pytest-xdist's controller runs this, so a bad value is reported as such
+    # rather than as the workers' internal errors.
+    if os.environ.get("JFA_TEST_SHARD"):
+        _shard(os.environ["JFA_TEST_SHARD"])
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """JFA_TEST_SHARD=i/N: round robin over the tests left after -k and -m, so that each shard
@@ -75,8 +82,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    """JFA_REPORT_FAILURES=1: a failure's test id and the end of its traceback, at once (under
-    pytest-xdist this runs in the controller, which receives every worker's reports)."""
-    if report.failed and os.environ.get("JFA_REPORT_FAILURES") == "1":
+    """JFA_REPORT_FAILURES=1: a failure's test id and the end of its traceback, at once. Under
+    pytest-xdist only the controller prints (it receives every worker's reports; a worker's own
+    print would repeat it)."""
+    if report.failed and os.environ.get("JFA_REPORT_FAILURES") == "1" and not os.environ.get("PYTEST_XDIST_WORKER"):
         sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
         sys.stderr.flush()

@@ -27,11 +27,11 @@ def test_other(i):
 '''
 
 
-def _run(folder, shard, *args):
+def _run(folder, shard, *args, workers=0):
     env = dict(os.environ, JFA_TEST_SHARD=shard, JFA_REPORT_FAILURES="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-rA",
-                           "-q", *args, str(folder)], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=300)
+    parallel = ["-n", str(workers)] if workers else ["-p", "no:xdist"]
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *parallel, "-rA", "-q", *args,
+                           str(folder)], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _outcomes(run):
@@ -64,7 +64,18 @@ def test_failures_are_named_as_they_happen(sample):
     assert "FAILED test_sample.py::test_even[1] (call)" in run.stderr
 
 
+def test_under_xdist_workers_agree_and_failures_print_once(sample):
+    pytest.importorskip("xdist")
+    run = _run(sample, "2/3", workers=2)
+    assert _outcomes(run) == _outcomes(_run(sample, "2/3")), run.stdout[-3000:]
+    # Shard 2 of 3 holds test_even[1]: the one failure, printed by the controller alone.
+    assert run.stderr.count("FAILED test_sample.py::test_even[1] (call)") == 1, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("value", ["0/3", "4/3", "2", "a/b"])
-def test_bad_shard_is_refused(sample, value):
-    run = _run(sample, value)
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_bad_shard_is_refused(sample, value, workers):
+    if workers:
+        pytest.importorskip("xdist")
+    run = _run(sample, value, workers=workers)
     assert run.returncode != 0 and "JFA_TEST_SHARD must be i/N" in run.stdout + run.stderr
