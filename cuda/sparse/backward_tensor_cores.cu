@@ -27,8 +27,7 @@ struct BackwardSmem {
   static constexpr size_t kDout = kQ + sizeof(Elem) * Shape::kRows * Shape::kQStride;
   static constexpr size_t kProbs = kDout + sizeof(Elem) * Shape::kRows * Shape::kVStride;
   static constexpr size_t kDscores = kProbs + sizeof(Elem) * Shape::kRows * kPStride;
-  // One exchange for the logits' and dP's partial sums in turn (a second would keep MLA's 64-head
-  // tiles out of a Hopper's shared memory).
+  // One exchange for the logits' and dP's partial sums in turn (a second costs as much again).
   static constexpr size_t kExchange = kDscores + sizeof(Elem) * Shape::kRows * kPStride;
   static constexpr size_t kRowsOf = kExchange + sizeof(float) * kExchangeFloats;
   static constexpr size_t kK = kRowsOf + sizeof(int32_t) * Shape::kStages * Shape::kKeys;
@@ -262,8 +261,8 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
   return cudaGetLastError();
 }
 
-// 64 heads per CTA where the group has more than 32 and they fit in shared memory (MLA's 576/512
-// on Hopper), else 32, else 16: the atomics per selected row fall with the heads a CTA sums over.
+// 64 heads per CTA where the group has more than 32 and they fit in shared memory (at MLA's 576/512
+// they do not), else 32, else 16: the atomics per selected row fall with the heads a CTA sums over.
 cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, bool launch,
                               cudaStream_t stream) {
   if (p.deterministic || !tensor_core_shapes(p, /*reads_values=*/true)) return cudaErrorNotSupported;
