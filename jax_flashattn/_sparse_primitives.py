@@ -152,6 +152,25 @@ def _xla_backward_wanted(config):
     return not config.deterministic and os.environ.get("JFA_SPARSE_BACKWARD", "xla") != "kernel"
 
 
+# Most bytes of P and scale·dS the tensor-core backward keeps at once: it takes (query position,
+# key head) items in chunks of this size (1 MiB per item at DeepSeek V3.2's N 128, topk 2048).
+_SPARSE_WEIGHTS_BYTES = 1 << 30
+
+
+def _weights_workspace(q, indices, value_head_dim, config):
+    """The tensor-core backward's P and scale·dS, [items, 2, N / K, topk in 64-slot blocks] in q's dtype
+    (jfa::sparse_gpu::SparseBackwardWorkspace::weights), for as many (query position, key head)
+    items as _SPARSE_WEIGHTS_BYTES holds; no items where those kernels cannot take the call."""
+    B, T, K, topk = indices.shape
+    group, H = q.shape[2] // K, q.shape[3]
+    slots = -(-topk // 64) * 64
+    takes = (not config.deterministic and q.dtype in (jnp.float16, jnp.bfloat16) and topk > 0
+             and H % 8 == 0 and H <= 576 and value_head_dim % 8 == 0 and value_head_dim <= 512)
+    per_item = 2 * group * slots * q.dtype.itemsize
+    items = min(B * T * K, max(1, _SPARSE_WEIGHTS_BYTES // per_item)) if takes else 0
+    return jax.ShapeDtypeStruct((items, 2, group, slots), q.dtype)
+
+
 def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
     if _xla_backward_wanted(config):
         dq, dk, dv = xla_backward(q, k, v if v.ndim else None, indices, o, lse, do, dlse, config)
@@ -162,11 +181,12 @@ def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
               jax.ShapeDtypeStruct(v.shape if v.ndim else (), q.dtype),
               # Workspace: float32 accumulators of the scattered dK and dV (dV's folded into dK's
               # when V is part of K), zeroed by the kernels and rounded into dk and dv at the end;
-              # D = rowsum(dO∘O) − dLSE per query row.
+              # D = rowsum(dO∘O) − dLSE per query row; the tensor-core kernels' P and scale·dS.
               jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
               jax.ShapeDtypeStruct((B, S, K, Hv) if v.ndim else (), jnp.float32),
-              jax.ShapeDtypeStruct(lse.shape, jnp.float32)]
-    dq, dk, dv, _, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
+              jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+              _weights_workspace(q, indices, Hv, config)]
+    dq, dk, dv, _, _, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
         q, k, v, indices, o, lse, do, dlse, **_config_attrs(config),
         deterministic=np.int32(config.deterministic))
     return dq, dk, dv

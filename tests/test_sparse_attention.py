@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn as jfa
-from jax_flashattn import _sparse_primitives, _sparse_xla_backward
+from jax_flashattn import _ext, _sparse_primitives, _sparse_xla_backward
 from jax_flashattn.sparse_reference import attn_dist_reference, sparse_attention_reference
 from util import BOUNDS, fresh_seed, rel_err
 
@@ -313,6 +313,44 @@ def test_cuda_lowering(shared_value):
     assert ("jfa_sparse_bwd" in text) == shared_value
 
 
+@pytest.mark.parametrize("deterministic, dtype, H, Hv, budget, items", [
+    (False, jnp.bfloat16, 576, 512, 1 << 30, 4 * 3),   # every item fits: B·T·K of them
+    (False, jnp.float16, 64, 64, 5 * (2 * 4 * 128 * 2) + 100, 5),  # chunks of as many items as the budget holds
+    (False, jnp.bfloat16, 64, 64, 1, 1),               # never fewer than one
+    (True, jnp.bfloat16, 576, 512, 1 << 30, 0),        # the ordered kernels need none
+    (False, jnp.float32, 64, 64, 1 << 30, 0),          # nor do float32 calls (CUDA cores)
+    (False, jnp.bfloat16, 68, 64, 1 << 30, 0),         # nor head dims off the 16-byte grid
+    (False, jnp.bfloat16, 640, 512, 1 << 30, 0),       # nor ones past MLA's 576
+])
+def test_tensor_core_backward_weights_workspace(monkeypatch, deterministic, dtype, H, Hv, budget, items):
+    """The tensor-core backward's P and scale·dS workspace: [items, 2, N / K, topk in 64-slot blocks],
+    as many (query position, key head) items as the byte budget holds, none where those kernels
+    cannot take the call."""
+    monkeypatch.setattr(_sparse_primitives, "_SPARSE_WEIGHTS_BYTES", budget)
+    B, T, N, K, topk = 2, 2, 12, 3, 100
+    q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    indices = jax.ShapeDtypeStruct((B, T, K, topk), jnp.int32)
+    config = type("Config", (), {"deterministic": deterministic})()
+    got = _sparse_primitives._weights_workspace(q, indices, Hv, config)
+    assert got.shape == (min(items, B * T * K), 2, N // K, 128) and got.dtype == dtype
+
+
+def test_cuda_lowering_of_the_kernel_backward(monkeypatch):
+    """JFA_SPARSE_BACKWARD=kernel lowers the backward to the CUDA kernels, with the weights workspace
+    sized for every (query position, key head) item. Lowering needs no kernels, so a build without
+    them is told it has them."""
+    monkeypatch.setenv("JFA_SPARSE_BACKWARD", "kernel")
+    monkeypatch.setattr(_ext, "has_cuda", lambda: True)
+    q, k, v, indices, _, _ = random_case(1, 1, 4, 6, 4, 1, 576, 512, 3, dtype=jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(jfa.sparse_attention(q, k, v, indices).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jfa_sparse_bwd" in text
+    assert "tensor<4x2x4x64xbf16>" in text
+
+
 # (shape, shared value, causal alignment or None, dtype, block_bytes): one block, blocks that
 # divide T, blocks that leave padding queries, blocks of one query; float16/bfloat16 as on a GPU.
 XLA_BACKWARD_CASES = [
@@ -439,6 +477,21 @@ def test_gpu_matches_reference(shape, shared_value, causal, backward, dtype, mon
     kw = {} if causal is None else dict(is_causal=True, causal_alignment=causal)
     check_against_reference(fresh_seed(), shape, dtype=dtype, shared_value=shared_value, empty_rows=1,
                             **use_backward(backward, monkeypatch), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, shared_value, budget_items", [
+    ((2, 5, 150, 128, 2, 576, 512, 70), True, 3),  # 20 items in chunks of 3 (the last one of 2)
+    ((1, 4, 100, 288, 1, 64, 64, 90), False, 4),   # a group of 288: three head blocks in dK/dV's pass
+])
+def test_gpu_kernel_backward_in_chunks(shape, shared_value, budget_items, monkeypatch):
+    """The tensor-core backward with a weights workspace smaller than the call: its passes run
+    chunk by chunk, and dK/dV's pass splits a group of more than 128 heads."""
+    B, T, S, N, K, H, Hv, topk = shape
+    monkeypatch.setattr(_sparse_primitives, "_SPARSE_WEIGHTS_BYTES",
+                        budget_items * 2 * (N // K) * (-(-topk // 64) * 64) * 2)
+    check_against_reference(fresh_seed(), shape, dtype=jnp.bfloat16, shared_value=shared_value, empty_rows=1,
+                            is_causal=True, **use_backward("kernel", monkeypatch))
 
 
 @pytest.mark.gpu

@@ -19,11 +19,13 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// dk_accum float32 [B, S, K, H], dv_accum float32 [B, S, K, Hv] (or rank 0 with v) and
-// softmax_d float32 [B, T, N], D = rowsum(dO∘O) − dLSE: the backward's workspace.
+// The backward's workspace: dk_accum float32 [B, S, K, H], dv_accum float32 [B, S, K, Hv] (or rank
+// 0 with v), softmax_d float32 [B, T, N], D = rowsum(dO∘O) − dLSE, and weights [items, 2, N / K,
+// weight_row_slots(topk)] in q's dtype: P and scale·dS of `items` (query position, key head) items
+// at a time for the tensor-core kernels (items 0: those kernels do not run).
 #define JFA_SPARSE_BACKWARD_CUDA(ARG, RET, ATTR)                                                  \
   JFA_SPARSE_BACKWARD_OPERANDS(ARG) JFA_SPARSE_BACKWARD_RESULTS(RET) RET(dk_accum) RET(dv_accum) \
-  RET(softmax_d) JFA_SPARSE_ATTRS(ATTR) ATTR(int64_t, value_head_dim) ATTR(int32_t, deterministic)
+  RET(softmax_d) RET(weights) JFA_SPARSE_ATTRS(ATTR) ATTR(int64_t, value_head_dim) ATTR(int32_t, deterministic)
 
 struct SparseForwardCall {
   cudaStream_t stream;
@@ -80,8 +82,17 @@ ffi::Error SparseBackwardCuda(SparseBackwardCall c) {
   if (auto e = ffi_decode::expect(*c.softmax_d, "softmax_d workspace", {p.B, p.T, p.N}, ffi::DataType::F32);
       e.failure())
     return e;
+  const auto wd = c.weights->dimensions();
+  const int64_t group = p.N / p.K, slots = sparse_gpu::weight_row_slots(p.topk);
+  if (wd.size() != 4 || wd[0] < 0 || wd[1] != 2 || wd[2] != group || wd[3] != slots ||
+      c.weights->element_type() != c.q.element_type())
+    return ffi_decode::invalid("weights workspace must have shape (items, 2, " + std::to_string(group) + ", " +
+                               std::to_string(slots) + ") and the query's dtype, got " +
+                               ffi_decode::shape_str(wd));
   p.deterministic = c.deterministic != 0;
   sparse_gpu::SparseBackwardWorkspace ws;
+  ws.weights = c.weights->untyped_data();
+  ws.weight_items = wd[0];
   ws.dk_accum = static_cast<float*>(c.dk_accum->untyped_data());
   ws.dv_accum = p.v ? static_cast<float*>(c.dv_accum->untyped_data()) : nullptr;
   ws.softmax_d = static_cast<float*>(c.softmax_d->untyped_data());

@@ -1,6 +1,7 @@
-// Backward of top-k sparse attention, in three launches:
+// Backward of top-k sparse attention, in three steps:
 //   1. softmax_d: D = rowsum(dO∘O) − dLSE per (query, head), one warp each;
-//   2. the gradients: on tensor cores where backward_tensor_cores.cu takes the call; else on CUDA
+//   2. the gradients: on tensor cores where backward_tensor_cores.cu takes the call (dQ with P and
+//      scale·dS into the workspace, then dK/dV from them: backward_key_rows.cu); else on CUDA
 //      cores, dQ per (query, head) CTA, and dK/dV scattered into float32 accumulators, by the same
 //      CTA with atomics or, when deterministic, by the CTA that owns each key row
 //      (backward_ordered.cuh);
@@ -122,7 +123,7 @@ unsigned convert_grid(int64_t count) {
 
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
                      BackwardKernels kernels) {
-  const bool tensor_cores = kernels != BackwardKernels::kCudaCores && backward_tensor_cores_takes(p);
+  const bool tensor_cores = kernels != BackwardKernels::kCudaCores && backward_tensor_cores_takes(p, ws);
   if (kernels == BackwardKernels::kTensorCores && !tensor_cores) return cudaErrorNotSupported;
   const unsigned rows_grid = grid_of((p.B * p.T * p.N + kWarps - 1) / kWarps);
   const unsigned query_grid = grid_of(p.B * p.T * p.N);

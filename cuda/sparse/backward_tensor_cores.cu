@@ -1,15 +1,18 @@
 // Backward of top-k sparse attention on tensor cores (sm80 mma.sync; also what Hopper runs), for
-// deterministic=False. The tiles of tensor_core_tiles.cuh: a CTA per query position and block of
-// query heads of one key/value head, the selected rows streamed through a ring. Per step:
-//   1. each pair of warps: logits = Q·Kᵀ and dP = dO·Vᵀ for its 16 heads (the pair splits the head
-//      dims), P = exp(scale·logits − LSE) and scale·dS = scale·P∘(dP − D), D = rowsum(dO∘O) − dLSE;
-//   2. dQ += scale·dS·K in registers, each warp of a pair half of the columns;
-//   3. P and scale·dS of all the CTA's heads go to shared memory, and the warps share out the columns
-//      of dK = scale·dSᵀ·Q and dV = Pᵀ·dO for the step's rows: summed over the CTA's heads on the
-//      tensor cores, then added into the float32 accumulators with atomics (16-byte reductions on
-//      Hopper), so that a selected row takes one add per element per CTA rather than one per head.
+// deterministic=False, in two passes over chunks of (query position, key head) items:
+//   1. here, the tiles of tensor_core_tiles.cuh: a CTA per query position and block of query heads
+//      of one key/value head, the selected rows streamed through a ring. Per step each pair of
+//      warps computes logits = Q·Kᵀ and dP = dO·Vᵀ for its 16 heads (the pair splits the head dims),
+//      P = exp(scale·logits − LSE) and scale·dS = scale·P∘(dP − D), D = rowsum(dO∘O) − dLSE, and
+//      adds scale·dS·K into dQ in registers (each warp of a pair half of the columns); P and
+//      scale·dS of all the CTA's heads go through shared memory into the workspace (ws.weights);
+//   2. backward_key_rows.cu: dK = scale·dSᵀ·Q and dV = Pᵀ·dO of the selected rows from those
+//      weights, summed over all of a key head's query heads before the float32 atomics.
+// Forming dK and dV here instead, from the CTA's block of heads only, left their GEMMs two k16 steps
+// deep and reduced every selected row once per block: most of the time went there.
 #include <cmath>
 
+#include "sparse/backward_key_rows.h"
 #include "sparse/device_common.cuh"
 #include "sparse/sparse_gpu.h"
 #include "sparse/tensor_core_tiles.cuh"
@@ -29,8 +32,7 @@ struct BackwardSmem {
   static constexpr size_t kDscores = kProbs + sizeof(Elem) * Shape::kRows * kPStride;
   // One exchange for the logits' and dP's partial sums in turn (a second costs as much again).
   static constexpr size_t kExchange = kDscores + sizeof(Elem) * Shape::kRows * kPStride;
-  static constexpr size_t kRowsOf = kExchange + sizeof(float) * kExchangeFloats;
-  static constexpr size_t kK = kRowsOf + sizeof(int32_t) * Shape::kStages * Shape::kKeys;
+  static constexpr size_t kK = kExchange + sizeof(float) * kExchangeFloats;
   static constexpr size_t kV = kK + sizeof(Elem) * Shape::kStages * Shape::kKeys * Shape::kQStride;
   __host__ __device__ static size_t valid(bool separate_v) {
     return kV + (separate_v ? sizeof(Elem) * Shape::kStages * Shape::kKeys * Shape::kVStride : 0);
@@ -90,80 +92,22 @@ __device__ __forceinline__ void store_rows(const WarpRole<Shape>& role, const fl
           mma::pack2<Elem>(w[nt][2 * r], w[nt][2 * r + 1]);
 }
 
-// Adds a lane's accumulator fragment of one n8 tile (rows g and g + 8 of the m16 tile, g = lane / 4,
-// at row offsets row_offset[0] and [1], −1 for an invalid slot; columns col and col + 1) into `out`.
-// On Hopper as one 16-byte reduction per lane: the even lane of each pair takes row g's four
-// columns (its two and its neighbour's), the odd lane row g + 8's. Elsewhere as float atomics.
-__device__ __forceinline__ void add_fragment(float* out, const int64_t (&row_offset)[2], int col, const float (&v)[4],
-                                             int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const bool even = lane % 2 == 0;
-  const float got0 = __shfl_xor_sync(0xffffffffu, even ? v[2] : v[0], 1);
-  const float got1 = __shfl_xor_sync(0xffffffffu, even ? v[3] : v[1], 1);
-  const int64_t row = even ? row_offset[0] : row_offset[1];  // (a select: an index would put the array in local memory)
-  if (row >= 0)
-    atomicAdd(reinterpret_cast<float4*>(out + row + (col & ~3)),
-              even ? make_float4(v[0], v[1], got0, got1) : make_float4(got0, got1, v[2], v[3]));
-#else
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    if (row_offset[h] >= 0) {
-      atomicAdd(out + row_offset[h] + col, v[2 * h]);
-      atomicAdd(out + row_offset[h] + col + 1, v[2 * h + 1]);
-    }
-#endif
-}
-
-// For the step's rows: out[row(key)][c] += Σ_heads W[head][key] · X[head][c] over the CTA's heads,
-// W the [kRows, kPStride] tile (P or scale·dS), X the CTA's [kRows, kXStride] rows (dO or Q). The
-// warps take 16-column slices in turn; columns at or past `width` and invalid slots are not added.
-// out_row(s) is the accumulator offset of selected row s.
-template <typename Shape, typename Elem, int kColumns, int kXStride, int kPStride, typename OutRow>
-__device__ __forceinline__ void scatter_weighted_rows(const WarpRole<Shape>& role, const Elem* weights, const Elem* x,
-                                                      const int32_t* rows, int64_t width, float* out,
-                                                      OutRow out_row) {
-  constexpr int kMTiles = Shape::kKeys / 16, kKSteps = Shape::kRows / 16;
-  const int lane = role.lane;
-  // A fragments of Wᵀ (keys x heads) for every m16 tile of keys and k16 step of heads, from the
-  // [head][key] tile through transposing loads.
-  uint32_t a[kMTiles][kKSteps][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      mma::ldmatrix_x4_trans(a[mt][ks], weights + (ks * 16 + lane / 16 * 8 + lane % 8) * kPStride + mt * 16 +
-                                            lane / 8 % 2 * 8);
-  int64_t row_offset[kMTiles][2];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int32_t s = rows[mt * 16 + lane / 4 + 8 * h];
-      row_offset[mt][h] = s < 0 ? -1 : out_row(s);
-    }
-  const Elem* x_row = x + (lane % 8 + lane / 8 % 2 * 8) * kXStride + lane / 16 * 8;
-#pragma unroll 1
-  for (int slice = role.warp; slice < kColumns / 16; slice += Shape::kWarps) {
-    float acc[kMTiles][2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t b[4];
-      mma::ldmatrix_x4_trans(b, x_row + ks * 16 * kXStride + slice * 16);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        mma::mma_16816<Elem>(acc[mt][0], a[mt][ks], b[0], b[1]);
-        mma::mma_16816<Elem>(acc[mt][1], a[mt][ks], b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = slice * 16 + j * 8 + lane % 4 * 2;
-        // Width is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
-        if (col >= width) continue;
-        add_fragment(out, row_offset[mt], col, acc[mt][j], lane);
-      }
+// The step's P and scale·dS of the CTA's heads ([kRows][kPStride] tiles in shared memory) into the
+// item's rows of the workspace, in 16-byte chunks.
+template <typename Shape, typename Elem, int kPStride>
+__device__ __forceinline__ void store_weights(const SparseParams& p, const SparseBackwardWorkspace& ws,
+                                              const TileItem& it, int64_t local_item, int64_t step,
+                                              const Elem* sprobs, const Elem* sdscores) {
+  constexpr int kChunks = Shape::kKeys / 8;
+  const int64_t G = p.group_size(), row_slots = weight_row_slots(p.topk);
+  const int rows = static_cast<int>(it.n_end - it.n0);
+  // Steps are kKeys long and kKeys divides 64, so the last one ends within the padded row.
+  Elem* base = static_cast<Elem*>(ws.weights) + (local_item * 2 * G + (it.n0 - it.kh * G)) * row_slots +
+               step * Shape::kKeys;
+  for (int i = threadIdx.x; i < 2 * rows * kChunks; i += Shape::kThreads) {
+    const int which = i / (rows * kChunks), r = i / kChunks % rows, c = i % kChunks;  // which: 0 P, 1 scale·dS
+    const Elem* src = (which == 0 ? sprobs : sdscores) + r * kPStride + c * 8;
+    *reinterpret_cast<uint4*>(base + (which * G + r) * row_slots + c * 8) = *reinterpret_cast<const uint4*>(src);
   }
 }
 
@@ -188,7 +132,7 @@ __device__ __forceinline__ void write_dq(const SparseParams& p, const TileItem& 
 
 template <typename Shape, typename Elem>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
-    sparse_backward_tc_kernel(SparseParams p, SparseBackwardWorkspace ws) {
+    sparse_backward_tc_kernel(SparseParams p, SparseBackwardWorkspace ws, int64_t first_item) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Plan = BackwardSmem<Shape, Elem>;
   constexpr int kPStride = Plan::kPStride;
@@ -198,26 +142,22 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   Elem* sprobs = reinterpret_cast<Elem*>(smem + Plan::kProbs);
   Elem* sdscores = reinterpret_cast<Elem*>(smem + Plan::kDscores);
   float* exchange = reinterpret_cast<float*>(smem + Plan::kExchange);
-  int32_t* rows = reinterpret_cast<int32_t*>(smem + Plan::kRowsOf);
   Elem* sk = reinterpret_cast<Elem*>(smem + Plan::kK);
   Elem* sv = separate_v ? reinterpret_cast<Elem*>(smem + Plan::kV) : nullptr;
   uint8_t* valid = smem + Plan::valid(separate_v);
   constexpr int kKBuffer = Shape::kKeys * Shape::kQStride, kVBuffer = Shape::kKeys * Shape::kVStride;
 
-  const TileItem it = tile_item<Shape>(p);
+  const int64_t blocks = (p.group_size() + Shape::kRows - 1) / Shape::kRows;
+  const TileItem it = tile_item<Shape>(p, first_item * blocks + blockIdx.x);
+  const int64_t local_item = (it.b * p.T + it.t) * p.K + it.kh - first_item;
   const WarpRole<Shape> role;
   const RowTerms terms = row_terms<Shape>(p, ws, it, role);
   // dO joins the first step's copies (for_each_step's first wait covers it).
   load_head_rows<Shape, Shape::kDimV, Shape::kVStride>(
       it, static_cast<const Elem*>(p.dout), p.Hv, [&](int64_t n) { return p.o_row(it.b, it.t, n); }, sdout);
-  float* dk_accum = ws.dk_accum;
-  // With v null, dV lands in the first Hv columns of dK's accumulator (K and V are one buffer).
-  float* dv_accum = separate_v ? ws.dv_accum : ws.dk_accum;
-  auto k_row = [&](int32_t s) { return p.k_row(it.b, s, it.kh); };
-  auto v_row = [&](int32_t s) { return separate_v ? p.v_row(it.b, s, it.kh) : p.k_row(it.b, s, it.kh); };
 
   float dq[Shape::kDimQK / 16][4] = {};
-  for_each_step<Shape>(p, it, sq, sk, sv, valid, rows, [&](int64_t, int buf) {
+  for_each_step<Shape>(p, it, sq, sk, sv, valid, nullptr, [&](int64_t step, int buf) {
     const Elem* keys = sk + buf * kKBuffer;
     const Elem* values = separate_v ? sv + buf * kVBuffer : keys;
     const int v_stride = separate_v ? Shape::kVStride : Shape::kQStride;
@@ -232,40 +172,44 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       store_rows<Shape, Elem, kPStride>(role, dp, sdscores);
     }
     __syncthreads();  // every pair's P and dS are in
-    const int32_t* step_rows = rows + buf * Shape::kKeys;
-    scatter_weighted_rows<Shape, Elem, Shape::kDimQK, Shape::kQStride, kPStride>(role, sdscores, sq, step_rows, p.H,
-                                                                                dk_accum, k_row);
-    scatter_weighted_rows<Shape, Elem, Shape::kDimV, Shape::kVStride, kPStride>(role, sprobs, sdout, step_rows, p.Hv,
-                                                                               dv_accum, v_row);
-    // The next step's barrier (for_each_step) keeps P and dS until every warp has read them.
+    store_weights<Shape, Elem, kPStride>(p, ws, it, local_item, step, sprobs, sdscores);
+    // The next step's barrier (for_each_step) keeps P and dS until every thread has copied them.
   });
   write_dq<Shape, Elem>(p, it, role, dq);
 }
 
-// Launches the kernel of `Shape` where its shared memory fits (with `launch` false: only says
-// whether it would).
+// Runs both passes with `Shape`'s first pass where its shared memory fits (with `launch` false: only
+// says whether it would), ws.weight_items items at a time.
 template <typename Shape, typename Elem>
 cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, int max_smem, bool launch,
                             cudaStream_t stream) {
   const size_t smem = BackwardSmem<Shape, Elem>::bytes(p.v != nullptr);
-  if (smem > static_cast<size_t>(max_smem)) return cudaErrorNotSupported;
+  if (smem > static_cast<size_t>(max_smem) || !key_rows_take(p, max_smem)) return cudaErrorNotSupported;
   const int64_t blocks = (p.group_size() + Shape::kRows - 1) / Shape::kRows;
-  const unsigned grid = grid_of(p.B * p.T * p.K * blocks);
-  if (grid == 0) return cudaErrorInvalidConfiguration;
+  const int64_t items = p.B * p.T * p.K, chunk = ws.weight_items < items ? ws.weight_items : items;
+  if (items == 0 || grid_of(chunk * blocks) == 0) return cudaErrorInvalidConfiguration;
   if (!launch) return cudaSuccess;
   auto kernel = sparse_backward_tc_kernel<Shape, Elem>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       e != cudaSuccess)
     return e;
-  kernel<<<grid, Shape::kThreads, smem, stream>>>(p, ws);
-  return cudaGetLastError();
+  for (int64_t first = 0; first < items; first += chunk) {
+    const int64_t count = items - first < chunk ? items - first : chunk;
+    kernel<<<grid_of(count * blocks), Shape::kThreads, smem, stream>>>(p, ws, first);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (cudaError_t e = key_row_gradients(p, ws, first, count, stream); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 // 64 heads per CTA where the group has more than 32 and they fit in shared memory (at MLA's 576/512
-// they do not), else 32, else 16: the atomics per selected row fall with the heads a CTA sums over.
+// they do not), else 32, else 16: each gathered row serves the CTA's heads. Calls without a weights
+// workspace are not taken.
 cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, bool launch,
                               cudaStream_t stream) {
-  if (p.deterministic || !tensor_core_shapes(p, /*reads_values=*/true)) return cudaErrorNotSupported;
+  if (p.deterministic || !tensor_core_shapes(p, /*reads_values=*/true) || ws.weights == nullptr ||
+      ws.weight_items < 1)
+    return cudaErrorNotSupported;
   const int max_smem = max_dynamic_smem();
   const int64_t group = p.group_size();
   return dispatch_half_dtype(p.dtype, [&](auto tag) {
@@ -285,8 +229,8 @@ cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspa
 }  // namespace
 }  // namespace tc
 
-bool backward_tensor_cores_takes(const SparseParams& p) {
-  return tc::dispatch_backward(p, SparseBackwardWorkspace{}, /*launch=*/false, nullptr) == cudaSuccess;
+bool backward_tensor_cores_takes(const SparseParams& p, const SparseBackwardWorkspace& ws) {
+  return tc::dispatch_backward(p, ws, /*launch=*/false, nullptr) == cudaSuccess;
 }
 
 cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream) {

@@ -44,6 +44,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_address(row)));
 }
+// Two 8x8 matrices, transposed: lanes 0-15 give the row addresses (the others' are ignored).
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_address(row)));
+}
 
 // d += a·b for a 16x16 A (row-major fragment), a 16x8 B (column-major fragment), float32 d.
 template <typename Elem>

@@ -4,8 +4,9 @@
 // forward() and attn_dist() run tensor-core kernels (sm80 mma.sync) where they take the call:
 // float16/bfloat16, H and Hv multiples of 8 up to 576 and 512, the tiles within the device's shared
 // memory (attn_dist: head groups of 16, 32, 64 or 128 within a key head's group). Other calls run
-// portable CUDA-core kernels (float32 too, any size). The backward has a tensor-core kernel for
-// deterministic=False on the forward's shapes (atomics into float32 accumulators) and CUDA-core
+// portable CUDA-core kernels (float32 too, any size). The backward has tensor-core kernels for
+// deterministic=False on the forward's shapes (two passes: per query position dQ, P and scale·dS;
+// then dK and dV of the selected rows, added into float32 accumulators with atomics) and CUDA-core
 // kernels for the rest; jax_flashattn runs the latter for deterministic=True and otherwise still
 // computes the gradients with XLA (_sparse_xla_backward.py).
 // On Hopper, the FFI handler first offers the forward and attn_dist to cuda/sm90's wgmma kernels
@@ -26,11 +27,19 @@ namespace jfa::sparse_gpu {
 // memory, which must stay under the 48 KB a launch gets without opting in to more.
 inline constexpr int64_t kMaxHeadDim = 2048;
 
-// Float32 scratch the backward needs, as extra FFI results (XLA allocates it; nothing here does).
+// Slots per row of the tensor-core backward's weights workspace: topk in whole 64-slot blocks.
+JFA_HOST_DEVICE constexpr int64_t weight_row_slots(int64_t topk) { return (topk + 63) / 64 * 64; }
+
+// Scratch the backward needs, as extra FFI results (XLA allocates it; nothing here does).
 struct SparseBackwardWorkspace {
   float* dk_accum = nullptr;   // [B, S, K, H]: dK (plus dV when v is null), zeroed by backward()
   float* dv_accum = nullptr;   // [B, S, K, Hv], or null when v is null
   float* softmax_d = nullptr;  // [B, T, N]: rowsum(dO∘O) − dLSE
+  // The tensor-core backward's P and scale·dS, in the call's dtype: [weight_items, 2, N / K,
+  // weight_row_slots(topk)] for weight_items (query position, key head) items at a time, the
+  // items taken in that many at once (0 items: the tensor-core kernels do not take the call).
+  void* weights = nullptr;
+  int64_t weight_items = 0;
 };
 
 // Writes o and lse.
@@ -50,9 +59,10 @@ enum class BackwardKernels { kAuto, kTensorCores, kCudaCores };
 // (query, slot, head) order; otherwise float atomics scatter it in whatever order CTAs run.
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
                      BackwardKernels kernels = BackwardKernels::kAuto);
-// The tensor-core gradients kernel (backward_tensor_cores.cu): whether it takes a call, and the
-// launch, which reads ws.softmax_d and adds into the zeroed accumulators.
-bool backward_tensor_cores_takes(const SparseParams& p);
+// The tensor-core gradients kernels (backward_tensor_cores.cu, backward_key_rows.cu): whether they
+// take a call with this workspace, and the launches, which read ws.softmax_d, fill ws.weights
+// and add into the zeroed accumulators.
+bool backward_tensor_cores_takes(const SparseParams& p, const SparseBackwardWorkspace& ws);
 cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream);
 
 // Writes dist (deterministic: every element is summed in the same order on every run).

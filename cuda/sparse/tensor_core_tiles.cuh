@@ -134,10 +134,11 @@ struct TileItem {
   int64_t n0, n_end;  // query heads n0 … n_end − 1 (the block, clipped to the key head's group)
 };
 
+// Item `cta` of the grid's order: head block fastest, then key head, query position, batch.
 template <typename Shape>
-__device__ __forceinline__ TileItem tile_item(const SparseParams& p) {
+__device__ __forceinline__ TileItem tile_item(const SparseParams& p, int64_t cta) {
   const int64_t G = p.group_size(), blocks = (G + Shape::kRows - 1) / Shape::kRows;
-  int64_t item = blockIdx.x;
+  int64_t item = cta;
   const int64_t block = item % blocks;
   item /= blocks;
   TileItem it;
@@ -149,6 +150,11 @@ __device__ __forceinline__ TileItem tile_item(const SparseParams& p) {
   const int64_t group_end = (it.kh + 1) * G;
   it.n_end = it.n0 + Shape::kRows < group_end ? it.n0 + Shape::kRows : group_end;
   return it;
+}
+
+template <typename Shape>
+__device__ __forceinline__ TileItem tile_item(const SparseParams& p) {
+  return tile_item<Shape>(p, blockIdx.x);
 }
 
 // Rows of the CTA's heads into shared memory with row stride kStride: head n's row starts at

@@ -16,6 +16,7 @@
 // --expt-relaxed-constexpr -isystem <CuTe include> -c) to the link. JFA_SPARSE_CHECK_HOPPER=0
 // leaves both out of a run, =forward or =attn_dist runs that one alone (racecheck:
 // docs/sparse-attention.md#checks).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -222,8 +223,12 @@ void run_case(const Case& c, std::mt19937& rng) {
   d_lse.upload(lse_ref);
   g.dout = d_dout.ptr; g.dlse = d_dlse.as<float>(); g.dq = d_dq.ptr; g.dk = d_dk.ptr;
   g.dv = c.shared_value ? nullptr : d_dv.ptr;
+  // The tensor-core backward's weights for a third of the items at a time (at least one), so
+  // that the cases run its chunk loop.
+  const int64_t weight_items = std::max<int64_t>(1, c.B * c.T * c.K / 3);
+  DeviceBuffer d_weights(weight_items * 2 * (c.N / c.K) * jfa::sparse_gpu::weight_row_slots(c.topk), 2);
   jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), c.shared_value ? nullptr : d_dv_acc.as<float>(),
-                                              d_softmax_d.as<float>()};
+                                              d_softmax_d.as<float>(), d_weights.ptr, weight_items};
   std::vector<uint16_t> first_dk;
   using jfa::sparse_gpu::BackwardKernels;
   struct BackwardRun {
@@ -239,6 +244,7 @@ void run_case(const Case& c, std::mt19937& rng) {
                                  BackwardRun{"ordered backward", true, BackwardKernels::kAuto}}) {
     g.deterministic = run.deterministic;
     d_dq.poison(); d_dk.poison(); d_dv.poison(); d_dk_acc.poison(); d_dv_acc.poison(); d_softmax_d.poison();
+    d_weights.poison();
     if (!launched(Kernel{run.name, [&](const SparseParams& p, cudaStream_t stream) {
                            return jfa::sparse_gpu::backward(p, ws, stream, run.kernels);
                          }},
@@ -338,7 +344,12 @@ void bench(int64_t T, int64_t S) {
   CK(cudaMemset(d_dlse.ptr, 0, sizeof(float) * c.T * c.N));
   CK(jfa::sparse_gpu::forward_tensor_cores(g, nullptr));
   g.dout = d_dout.ptr; g.dlse = d_dlse.as<float>(); g.dq = d_dq.ptr; g.dk = d_dk.ptr; g.dv = nullptr;
-  const jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), nullptr, d_softmax_d.as<float>()};
+  // The tensor-core backward's weights as jax_flashattn sizes them: up to 1 GiB of items at once.
+  const int64_t weight_row_bytes = 2 * (c.N / c.K) * jfa::sparse_gpu::weight_row_slots(c.topk) * 2;
+  const int64_t bench_items = std::min<int64_t>(c.T * c.K, std::max<int64_t>(1, (int64_t{1} << 30) / weight_row_bytes));
+  DeviceBuffer d_weights(bench_items * weight_row_bytes / 2, 2);
+  const jfa::sparse_gpu::SparseBackwardWorkspace ws{d_dk_acc.as<float>(), nullptr, d_softmax_d.as<float>(),
+                                                    d_weights.ptr, bench_items};
   auto backward_with = [&](jfa::sparse_gpu::BackwardKernels kernels) {
     return [&, kernels](const SparseParams& p, cudaStream_t stream) {
       return jfa::sparse_gpu::backward(p, ws, stream, kernels);
