@@ -63,8 +63,14 @@ struct KeyRowItem {
   int part, h0, heads;  // heads h0 … h0 + heads − 1 of the key head's group
 };
 
+// Column parts that hold some of x_dim's columns (the others would add nothing).
 template <typename Shape>
-__device__ __forceinline__ KeyRowItem key_row_item(const SparseParams& p, int64_t first_item) {
+__host__ __device__ int parts_used(int64_t x_dim) {
+  return static_cast<int>((x_dim + Shape::kPartColumns - 1) / Shape::kPartColumns);
+}
+
+template <typename Shape>
+__device__ __forceinline__ KeyRowItem key_row_item(const SparseParams& p, const Target& target, int64_t first_item) {
   KeyRowItem it;
   it.local = blockIdx.x;
   int64_t item = first_item + it.local;  // (b·T + t)·K + kh
@@ -72,8 +78,9 @@ __device__ __forceinline__ KeyRowItem key_row_item(const SparseParams& p, int64_
   item /= p.K;
   it.t = item % p.T;
   it.b = item / p.T;
-  it.part = blockIdx.y % Shape::kParts;
-  it.h0 = (blockIdx.y / Shape::kParts) * Shape::kMaxHeads;
+  const int parts = parts_used<Shape>(target.x_dim);
+  it.part = blockIdx.y % parts;
+  it.h0 = (blockIdx.y / parts) * Shape::kMaxHeads;
   const int64_t left = p.group_size() - it.h0;
   it.heads = static_cast<int>(left < Shape::kMaxHeads ? left : Shape::kMaxHeads);
   return it;
@@ -199,7 +206,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
     key_rows_kernel(SparseParams p, SparseBackwardWorkspace ws, Target target, int64_t first_item) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Smem = KeyRowSmem<Shape, Elem>;
-  const KeyRowItem it = key_row_item<Shape>(p, first_item);
+  const KeyRowItem it = key_row_item<Shape>(p, target, first_item);
   const int heads_padded = (it.heads + 15) / 16 * 16;
   Elem* sx = reinterpret_cast<Elem*>(smem);
   Elem* sw = reinterpret_cast<Elem*>(smem + Smem::weights(heads_padded));
@@ -208,6 +215,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
   const int64_t blocks = (p.topk + Shape::kSlots - 1) / Shape::kSlots;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t warp_col0 = it.part * Shape::kPartColumns + warp * Shape::kWarpColumns;
+  const bool has_columns = warp_col0 < target.x_dim;  // (warps past x_dim still meet the barriers)
 
   load_head_columns<Shape>(p, target, it, heads_padded, sx);
   load_weight_block<Shape>(weights, row_slots, it, heads_padded, 0, sw);
@@ -222,16 +230,18 @@ __global__ void __launch_bounds__(Shape::kThreads)
     block_row_offsets<Shape>(p, target, it, block, offset);
     mma::wait_copies<1>();
     __syncthreads();  // the block's weights (and, the first time, the head columns) are in
-    float acc[Shape::kRowTiles][Shape::kColumnTiles][4];
-    block_products<Shape>(current, sx, heads_padded / 16, acc);
+    if (has_columns) {
+      float acc[Shape::kRowTiles][Shape::kColumnTiles][4];
+      block_products<Shape>(current, sx, heads_padded / 16, acc);
 #pragma unroll
-    for (int mt = 0; mt < Shape::kRowTiles; ++mt)
+      for (int mt = 0; mt < Shape::kRowTiles; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < Shape::kColumnTiles; ++nt) {
-        const int64_t col = warp_col0 + nt * 8 + lane % 4 * 2;
-        // x_dim is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
-        if (warp_col0 + nt * 8 < target.x_dim) add_fragment(target.out, offset[mt], col, acc[mt][nt], lane);
-      }
+        for (int nt = 0; nt < Shape::kColumnTiles; ++nt) {
+          const int64_t col = warp_col0 + nt * 8 + lane % 4 * 2;
+          // x_dim is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
+          if (warp_col0 + nt * 8 < target.x_dim) add_fragment(target.out, offset[mt], col, acc[mt][nt], lane);
+        }
+    }
     __syncthreads();  // every warp is done with `current` before the next block refills it
   }
 }
@@ -249,7 +259,7 @@ cudaError_t launch(const SparseParams& p, const SparseBackwardWorkspace& ws, con
   using Shape = KeyRowShape<kDim>;
   const size_t smem = smem_bytes<kDim, Elem>(p);
   const int64_t head_blocks = (p.group_size() + Shape::kMaxHeads - 1) / Shape::kMaxHeads;
-  const int64_t y = head_blocks * Shape::kParts;
+  const int64_t y = head_blocks * parts_used<Shape>(target.x_dim);
   if (count <= 0 || count > 0x7fffffff || y > 65535) return cudaErrorInvalidConfiguration;
   auto kernel = key_rows_kernel<Shape, Elem>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));

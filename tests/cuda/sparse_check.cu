@@ -391,6 +391,8 @@ int main(int argc, char** argv) {
       {2, 3, 200, 128, 2, 576, 512, 129, true, false, false, FP, 64},
       // The tensor-core backward's 64-head tiles (a group of 64 at H 128, V separate).
       {1, 4, 150, 64, 1, 128, 128, 90, false, true, true, BF, 64},
+      // A group of 160: two head blocks (128 and 32) in the backward's dK/dV pass.
+      {1, 2, 80, 160, 1, 64, 64, 70, false, true, true, BF, 32},
   };
   if (!small) {
     cases.push_back({1, 33, 300, 16, 1, 576, 512, 130, true, true, true, BF, 16});
@@ -405,6 +407,8 @@ int main(int argc, char** argv) {
     cases.push_back({2, 5, 300, 8, 2, 40, 24, 77, false, false, false, BF, 4});
     cases.push_back({1, 6, 300, 16, 1, 192, 128, 129, false, true, true, BF, 16});
     cases.push_back({1, 4, 200, 4, 1, 36, 36, 50, true, true, false, FP, 4});
+    // Dims padded to MLA's (264 / 136 → 576 / 512): dK's second column half and dV's warps past 136 idle.
+    cases.push_back({1, 3, 120, 16, 1, 264, 136, 70, false, false, false, FP, 16});
     cases.push_back({1, 3, 300, 64, 1, 576, 512, 200, false, true, true, BF, 64});
   }
   for (const Case& c : cases) run_case(c, rng);
