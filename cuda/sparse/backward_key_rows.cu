@@ -6,7 +6,9 @@
 // the item's slots stream through in blocks of 64: every block is a GEMM with the heads as its inner
 // dimension, then one float32 atomic add per element of each selected row (16-byte reductions on
 // Hopper). Summing all the heads before the atomics, rather than one CTA's block of them, is what
-// this pass is for: the reductions are most of L2's traffic.
+// this pass is for: the reductions are most of L2's traffic. For the same reason, where V is K's
+// first columns (MLA's shared latent rows: v null) and shared memory allows, one CTA sums both
+// products into the same row, dS·Q + P·dO, and adds it once rather than once per gradient.
 #include "sparse/backward_key_rows.h"
 
 #include <algorithm>
@@ -19,18 +21,21 @@ namespace jfa::sparse_gpu {
 namespace key_rows {
 namespace {
 
-// The tile of one CTA for gradient rows kDim wide (the padded head dim of dK or of dV).
-template <int kDim>
+// The tile of one CTA for gradient rows kDim wide (the padded head dim of dK or of dV), summing
+// kProducts products: 1 (dK or dV), or 2 (dK and dV of shared rows: 8 warps, as one CTA fills an SM).
+template <int kDim, int kProducts_ = 1>
 struct KeyRowShape {
-  static constexpr int kWarps = 4;
+  static constexpr int kProducts = kProducts_;
+  static constexpr int kSlotGroups = kProducts;        // warps along the slots
+  static constexpr int kWarps = 4 * kSlotGroups;       // four along the columns
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kSlots = 64;                     // slots per block: four m16 tiles of rows
   static constexpr int kMaxHeads = 128;                 // query heads per CTA: the GEMMs' inner dimension
   static constexpr int kParts = kDim > 128 ? 2 : 1;     // column blocks, one CTA each
   static constexpr int kPartColumns = kDim / kParts;
-  static constexpr int kWarpColumns = kPartColumns / kWarps;
+  static constexpr int kWarpColumns = kPartColumns / 4;
   static constexpr int kColumnTiles = kWarpColumns / 8;  // n8 tiles per warp
-  static constexpr int kRowTiles = kSlots / 16;
+  static constexpr int kRowTiles = kSlots / 16 / kSlotGroups;  // m16 tiles per warp
   // 16 bytes of padding per row: the 8 rows an ldmatrix reads fall in distinct bank groups.
   static constexpr int kXStride = kPartColumns + 8;
   static constexpr int kWStride = kSlots + 8;
@@ -38,23 +43,30 @@ struct KeyRowShape {
   static_assert(kPartColumns % 8 == 0, "rows are copied in 16-byte chunks");
 };
 
-// Shared memory of a CTA with `heads` (a multiple of 16) query heads: their Q or dO columns, then
-// two buffers of their weights for a block of slots.
+// Shared memory of a CTA with `heads` (a multiple of 16) query heads: each product's Q or dO
+// columns, then two buffers of each product's weights for a block of slots.
 template <typename Shape, typename Elem>
 struct KeyRowSmem {
-  __host__ __device__ static size_t weights(int heads) { return sizeof(Elem) * heads * Shape::kXStride; }
-  __host__ __device__ static size_t bytes(int heads) {
-    return weights(heads) + 2 * sizeof(Elem) * heads * Shape::kWStride;
-  }
+  __host__ __device__ static size_t columns(int heads) { return sizeof(Elem) * heads * Shape::kXStride; }
+  __host__ __device__ static size_t block(int heads) { return sizeof(Elem) * heads * Shape::kWStride; }
+  __host__ __device__ static size_t weights(int heads) { return Shape::kProducts * columns(heads); }
+  __host__ __device__ static size_t bytes(int heads) { return weights(heads) + 2 * Shape::kProducts * block(heads); }
 };
 
-// What one launch computes: dK (from scale·dS and Q) or dV (from P and dO).
+// One product summed into the rows: scale·dS with Q's columns (dK), or P with dO's (dV).
+struct Product {
+  int weights;     // 0: P with dO's rows, 1: scale·dS with Q's (the workspace's second axis)
+  const void* x;   // Q or dO
+  int64_t x_dim;   // H or Hv: its columns (zeros past them)
+};
+
+// What one launch computes: the sum of `products` of them into `out`, `width` columns.
 struct Target {
-  int weights;        // 0: P with dO's rows, 1: scale·dS with Q's (the workspace's second axis)
-  const void* x;      // Q or dO, rows of x_dim
-  int64_t x_dim;      // H or Hv: columns formed
-  float* out;         // accumulator
-  bool value_rows;    // out's rows are V's (v_row) rather than K's (k_row)
+  Product product[2];
+  int products;
+  int64_t width;     // columns formed: the widest product's
+  float* out;        // accumulator
+  bool value_rows;   // out's rows are V's (v_row) rather than K's (k_row)
 };
 
 // The CTA's work: an item (query position and key head) of the chunk, a column part, a head block.
@@ -78,7 +90,7 @@ __device__ __forceinline__ KeyRowItem key_row_item(const SparseParams& p, const 
   item /= p.K;
   it.t = item % p.T;
   it.b = item / p.T;
-  const int parts = parts_used<Shape>(target.x_dim);
+  const int parts = parts_used<Shape>(target.width);
   it.part = blockIdx.y % parts;
   it.h0 = (blockIdx.y / parts) * Shape::kMaxHeads;
   const int64_t left = p.group_size() - it.h0;
@@ -86,21 +98,21 @@ __device__ __forceinline__ KeyRowItem key_row_item(const SparseParams& p, const 
   return it;
 }
 
-// Copies the CTA's heads' Q or dO columns into shared memory [heads_padded][kXStride] (zeros past
-// the head block and past x_dim).
+// Copies the CTA's heads' Q or dO columns of one product into shared memory [heads_padded][kXStride]
+// (zeros past the head block and past the product's x_dim).
 template <typename Shape, typename Elem>
-__device__ __forceinline__ void load_head_columns(const SparseParams& p, const Target& target, const KeyRowItem& it,
-                                                  int heads_padded, Elem* sx) {
+__device__ __forceinline__ void load_head_columns(const SparseParams& p, const Product& product,
+                                                  const KeyRowItem& it, int heads_padded, Elem* sx) {
   constexpr int kChunks = Shape::kPartColumns / 8;
-  const Elem* x = static_cast<const Elem*>(target.x);
+  const Elem* x = static_cast<const Elem*>(product.x);
   const int64_t n0 = it.kh * p.group_size() + it.h0;
   for (int i = threadIdx.x; i < heads_padded * kChunks; i += Shape::kThreads) {
-    const int h = i / kChunks;
-    const int64_t col = it.part * Shape::kPartColumns + i % kChunks * 8;
-    const bool read = h < it.heads && col < target.x_dim;
+    const int h = i / kChunks, local_col = i % kChunks * 8;
+    const int64_t col = it.part * Shape::kPartColumns + local_col;
+    const bool read = h < it.heads && col < product.x_dim;
     const int64_t n = n0 + h;
-    const int64_t row = target.weights == 1 ? p.q_row(it.b, it.t, n) : p.o_row(it.b, it.t, n);
-    mma::copy_16b(sx + h * Shape::kXStride + (col - it.part * Shape::kPartColumns), read ? x + row + col : x, read);
+    const int64_t row = product.weights == 1 ? p.q_row(it.b, it.t, n) : p.o_row(it.b, it.t, n);
+    mma::copy_16b(sx + h * Shape::kXStride + local_col, read ? x + row + col : x, read);
   }
 }
 
@@ -118,18 +130,19 @@ __device__ __forceinline__ void load_weight_block(const Elem* weights, int64_t r
   }
 }
 
-// The accumulator offsets of the rows a lane's fragments hold in one block: m16 tile mt, rows
-// lane / 4 and + 8; −1 for a slot that is past topk or whose index is invalid (never written).
+// The accumulator offsets of the rows a lane's fragments hold in one block: m16 tile mt of the
+// warp's slot group, rows lane / 4 and + 8; −1 for a slot that is past topk or whose index is
+// invalid (never written).
 template <typename Shape>
 __device__ __forceinline__ void block_row_offsets(const SparseParams& p, const Target& target, const KeyRowItem& it,
                                                   int64_t block, int64_t (&offset)[Shape::kRowTiles][2]) {
   const int32_t* indices = p.indices + p.index_row(it.b, it.t, it.kh);
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, first_tile = threadIdx.x / 32 / 4 * Shape::kRowTiles;
 #pragma unroll
   for (int mt = 0; mt < Shape::kRowTiles; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t slot = block * Shape::kSlots + mt * 16 + lane / 4 + 8 * r;
+      const int64_t slot = block * Shape::kSlots + (first_tile + mt) * 16 + lane / 4 + 8 * r;
       const int32_t s = slot < p.topk ? __ldg(indices + slot) : -1;
       offset[mt][r] = !sparse_index_valid(p, it.t, s) ? -1
                       : target.value_rows              ? p.v_row(it.b, s, it.kh)
@@ -161,21 +174,17 @@ __device__ __forceinline__ void add_fragment(float* out, const int64_t (&row_off
 #endif
 }
 
-// acc[mt][nt] = Wᵀ·X over the block's slots (rows) and this warp's columns: W [heads][slots] and X
-// [heads][columns] in shared memory, the heads the inner dimension, both read through transposing
-// ldmatrix.
+// acc[mt][nt] += Wᵀ·X over the warp's slots of the block (rows) and its columns: W [heads][slots]
+// and X [heads][columns] in shared memory, the heads the inner dimension, both read through
+// transposing ldmatrix.
 template <typename Shape, typename Elem>
 __device__ __forceinline__ void block_products(const Elem* sw, const Elem* sx, int head_steps,
                                                float (&acc)[Shape::kRowTiles][Shape::kColumnTiles][4]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int mt = 0; mt < Shape::kRowTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Shape::kColumnTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-  const Elem* w_row = sw + (lane / 16 * 8 + lane % 8) * Shape::kWStride + lane / 8 % 2 * 8;
-  const Elem* x_row = sx + (lane % 8 + lane / 8 % 2 * 8) * Shape::kXStride + warp * Shape::kWarpColumns + lane / 16 * 8;
+  const int first_slot = warp / 4 * Shape::kRowTiles * 16;
+  const Elem* w_row = sw + (lane / 16 * 8 + lane % 8) * Shape::kWStride + first_slot + lane / 8 % 2 * 8;
+  const Elem* x_row =
+      sx + (lane % 8 + lane / 8 % 2 * 8) * Shape::kXStride + warp % 4 * Shape::kWarpColumns + lane / 16 * 8;
   for (int ks = 0; ks < head_steps; ++ks) {
     uint32_t a[Shape::kRowTiles][4];
 #pragma unroll
@@ -208,58 +217,66 @@ __global__ void __launch_bounds__(Shape::kThreads)
   using Smem = KeyRowSmem<Shape, Elem>;
   const KeyRowItem it = key_row_item<Shape>(p, target, first_item);
   const int heads_padded = (it.heads + 15) / 16 * 16;
-  Elem* sx = reinterpret_cast<Elem*>(smem);
-  Elem* sw = reinterpret_cast<Elem*>(smem + Smem::weights(heads_padded));
+  const int column_elems = heads_padded * Shape::kXStride, block_elems = heads_padded * Shape::kWStride;
+  Elem* sx = reinterpret_cast<Elem*>(smem);  // [product][heads_padded][kXStride]
+  Elem* sw = reinterpret_cast<Elem*>(smem + Smem::weights(heads_padded));  // [buffer][product][heads_padded][kWStride]
   const int64_t row_slots = weight_row_slots(p.topk), G = p.group_size();
-  const Elem* weights = static_cast<const Elem*>(ws.weights) + (it.local * 2 + target.weights) * G * row_slots;
+  const Elem* item_weights = static_cast<const Elem*>(ws.weights) + it.local * 2 * G * row_slots;
   const int64_t blocks = (p.topk + Shape::kSlots - 1) / Shape::kSlots;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t warp_col0 = it.part * Shape::kPartColumns + warp * Shape::kWarpColumns;
-  const bool has_columns = warp_col0 < target.x_dim;  // (warps past x_dim still meet the barriers)
+  const int64_t warp_col0 = it.part * Shape::kPartColumns + warp % 4 * Shape::kWarpColumns;
+  const bool has_columns = warp_col0 < target.width;  // (warps past the width still meet the barriers)
+  auto load_block = [&](int64_t block) {
+#pragma unroll
+    for (int j = 0; j < Shape::kProducts; ++j)
+      load_weight_block<Shape>(item_weights + target.product[j].weights * G * row_slots, row_slots, it,
+                               heads_padded, block, sw + ((block % 2) * Shape::kProducts + j) * block_elems);
+  };
 
-  load_head_columns<Shape>(p, target, it, heads_padded, sx);
-  load_weight_block<Shape>(weights, row_slots, it, heads_padded, 0, sw);
+#pragma unroll
+  for (int j = 0; j < Shape::kProducts; ++j)
+    load_head_columns<Shape>(p, target.product[j], it, heads_padded, sx + j * column_elems);
+  load_block(0);
   mma::commit_copies();
   for (int64_t block = 0; block < blocks; ++block) {
-    Elem* current = sw + (block % 2) * heads_padded * Shape::kWStride;
-    if (block + 1 < blocks)  // into the buffer every warp finished with at the previous block's end
-      load_weight_block<Shape>(weights, row_slots, it, heads_padded, block + 1,
-                               sw + ((block + 1) % 2) * heads_padded * Shape::kWStride);
+    if (block + 1 < blocks) load_block(block + 1);  // into the buffers every warp finished with last block
     mma::commit_copies();
     int64_t offset[Shape::kRowTiles][2];
     block_row_offsets<Shape>(p, target, it, block, offset);
     mma::wait_copies<1>();
     __syncthreads();  // the block's weights (and, the first time, the head columns) are in
     if (has_columns) {
-      float acc[Shape::kRowTiles][Shape::kColumnTiles][4];
-      block_products<Shape>(current, sx, heads_padded / 16, acc);
+      float acc[Shape::kRowTiles][Shape::kColumnTiles][4] = {};
+#pragma unroll
+      for (int j = 0; j < Shape::kProducts; ++j)
+        block_products<Shape>(sw + ((block % 2) * Shape::kProducts + j) * block_elems, sx + j * column_elems,
+                              heads_padded / 16, acc);
 #pragma unroll
       for (int mt = 0; mt < Shape::kRowTiles; ++mt)
 #pragma unroll
         for (int nt = 0; nt < Shape::kColumnTiles; ++nt) {
           const int64_t col = warp_col0 + nt * 8 + lane % 4 * 2;
-          // x_dim is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
-          if (warp_col0 + nt * 8 < target.x_dim) add_fragment(target.out, offset[mt], col, acc[mt][nt], lane);
+          // The width is a multiple of 8, so the test is the same for the whole warp (add_fragment shuffles).
+          if (warp_col0 + nt * 8 < target.width) add_fragment(target.out, offset[mt], col, acc[mt][nt], lane);
         }
     }
-    __syncthreads();  // every warp is done with `current` before the next block refills it
+    __syncthreads();  // every warp is done with the block's buffers before the next block refills them
   }
 }
 
-template <int kDim, typename Elem>
+template <typename Shape, typename Elem>
 size_t smem_bytes(const SparseParams& p) {
   const int64_t G = p.group_size();
-  const int heads = static_cast<int>(((G < 128 ? G : 128) + 15) / 16 * 16);
-  return KeyRowSmem<KeyRowShape<kDim>, Elem>::bytes(heads);
+  const int heads = static_cast<int>(((G < Shape::kMaxHeads ? G : Shape::kMaxHeads) + 15) / 16 * 16);
+  return KeyRowSmem<Shape, Elem>::bytes(heads);
 }
 
-template <int kDim, typename Elem>
+template <typename Shape, typename Elem>
 cudaError_t launch(const SparseParams& p, const SparseBackwardWorkspace& ws, const Target& target,
                    int64_t first_item, int64_t count, cudaStream_t stream) {
-  using Shape = KeyRowShape<kDim>;
-  const size_t smem = smem_bytes<kDim, Elem>(p);
+  const size_t smem = smem_bytes<Shape, Elem>(p);
   const int64_t head_blocks = (p.group_size() + Shape::kMaxHeads - 1) / Shape::kMaxHeads;
-  const int64_t y = head_blocks * parts_used<Shape>(target.x_dim);
+  const int64_t y = head_blocks * parts_used<Shape>(target.width);
   if (count <= 0 || count > 0x7fffffff || y > 65535) return cudaErrorInvalidConfiguration;
   auto kernel = key_rows_kernel<Shape, Elem>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -274,13 +291,14 @@ cudaError_t launch(const SparseParams& p, const SparseBackwardWorkspace& ws, con
 }  // namespace key_rows
 
 bool key_rows_take(const SparseParams& p, int max_smem) {
-  const int64_t head_blocks = (p.group_size() + key_rows::KeyRowShape<64>::kMaxHeads - 1) /
-                              key_rows::KeyRowShape<64>::kMaxHeads;
+  using key_rows::KeyRowShape;
+  const int64_t head_blocks = (p.group_size() + KeyRowShape<64>::kMaxHeads - 1) / KeyRowShape<64>::kMaxHeads;
   if (head_blocks * 2 > 65535) return false;  // blockIdx.y: head blocks x column parts
   return tc::dispatch_half_dtype(p.dtype, [&](auto tag) {
            using Elem = decltype(tag);
            return tc::dispatch_dims(p.H, p.Hv, [&](auto qk, auto v) {
-             const size_t need = std::max(key_rows::smem_bytes<qk(), Elem>(p), key_rows::smem_bytes<v(), Elem>(p));
+             const size_t need = std::max(key_rows::smem_bytes<KeyRowShape<qk()>, Elem>(p),
+                                          key_rows::smem_bytes<KeyRowShape<v()>, Elem>(p));
              return need <= static_cast<size_t>(max_smem) ? cudaSuccess : cudaErrorNotSupported;
            });
          }) == cudaSuccess;
@@ -288,17 +306,26 @@ bool key_rows_take(const SparseParams& p, int max_smem) {
 
 cudaError_t key_row_gradients(const SparseParams& p, const SparseBackwardWorkspace& ws, int64_t first_item,
                               int64_t count, cudaStream_t stream) {
+  using key_rows::KeyRowShape;
+  using key_rows::Product;
   using key_rows::Target;
   const bool separate_v = p.v != nullptr;
-  // With v null, dV lands in the first Hv columns of dK's accumulator (K and V are one buffer).
-  const Target dk{1, p.q, p.H, ws.dk_accum, false};
-  const Target dv{0, p.dout, p.Hv, separate_v ? ws.dv_accum : ws.dk_accum, separate_v};
+  const Product dk{1, p.q, p.H}, dv{0, p.dout, p.Hv};
   return tc::dispatch_half_dtype(p.dtype, [&](auto tag) {
     using Elem = decltype(tag);
     return tc::dispatch_dims(p.H, p.Hv, [&](auto qk, auto v) {
-      if (cudaError_t e = key_rows::launch<qk(), Elem>(p, ws, dk, first_item, count, stream); e != cudaSuccess)
+      // With v null, dV lands in the first Hv columns of dK's accumulator (K and V are one buffer):
+      // one sum of both products per row where its tile fits.
+      using Both = KeyRowShape<qk(), 2>;
+      if (!separate_v && key_rows::smem_bytes<Both, Elem>(p) <= static_cast<size_t>(tc::max_dynamic_smem()))
+        return key_rows::launch<Both, Elem>(p, ws, Target{{dk, dv}, 2, p.H, ws.dk_accum, false}, first_item, count,
+                                            stream);
+      const Target dk_only{{dk, dk}, 1, p.H, ws.dk_accum, false};
+      const Target dv_only{{dv, dv}, 1, p.Hv, separate_v ? ws.dv_accum : ws.dk_accum, separate_v};
+      if (cudaError_t e = key_rows::launch<KeyRowShape<qk()>, Elem>(p, ws, dk_only, first_item, count, stream);
+          e != cudaSuccess)
         return e;
-      return key_rows::launch<v(), Elem>(p, ws, dv, first_item, count, stream);
+      return key_rows::launch<KeyRowShape<v()>, Elem>(p, ws, dv_only, first_item, count, stream);
     });
   });
 }
