@@ -9,8 +9,8 @@ inputs; every function is jitted and warmed up, then `--calls` back-to-back call
 block_until_ready make a round; the time is the median per-call time over `--rounds` rounds, the
 implementations alternating round by round. FLOPs (FlashMLA's convention, invalid slots counted):
 fwd 2·topk·(H + Hv) per query head; fwdbwd adds the backward's 2·topk·(3·H + 2·Hv);
-attn_dist 2·topk·H. `jax_flashattn_kernelbwd` is the fwdbwd pass with the backward on the CUDA
-kernels (JFA_SPARSE_BACKWARD=kernel) instead of the default XLA form. Writes
+attn_dist 2·topk·H. `jax_flashattn_xlabwd` is the fwdbwd pass with the backward in XLA operations
+(JFA_SPARSE_BACKWARD=xla) instead of the default tensor-core kernels. Writes
 benchmarks/results/<date>-<device>-sparse.csv (DESIGN.md's columns; seqlen is S, T is --queries).
 """
 from __future__ import annotations
@@ -60,10 +60,10 @@ def passes(B, T, S, N, H, Hv, topk, dtype, seed):
     def fwdbwd(fn):
         return jax.jit(jax.value_and_grad(lambda q, k: jnp.sum(fn(q, k).astype(jnp.float32) * w), argnums=(0, 1)))
 
-    def with_kernel_backward(fn):
-        """Compiled now, with the backward on the CUDA kernels (JFA_SPARSE_BACKWARD, read when traced)."""
+    def with_xla_backward(fn):
+        """Compiled now, with the backward in XLA operations (JFA_SPARSE_BACKWARD, read when traced)."""
         before = os.environ.get("JFA_SPARSE_BACKWARD")
-        os.environ["JFA_SPARSE_BACKWARD"] = "kernel"
+        os.environ["JFA_SPARSE_BACKWARD"] = "xla"
         try:
             return fn.lower(q, k).compile()
         finally:
@@ -81,7 +81,7 @@ def passes(B, T, S, N, H, Hv, topk, dtype, seed):
     return [
         ("fwd", per_query * (H + Hv), {"jax_flashattn": jax.jit(ours), "xla": jax.jit(xla)}, (q, k)),
         ("fwdbwd", per_query * (4 * H + 3 * Hv), {"jax_flashattn": fwdbwd(ours), "xla": fwdbwd(xla),
-                                                  "jax_flashattn_kernelbwd": with_kernel_backward(fwdbwd(ours))},
+                                                  "jax_flashattn_xlabwd": with_xla_backward(fwdbwd(ours))},
          (q, k)),
         ("attn_dist", per_query * H, {"jax_flashattn": jax.jit(dist)}, (q, k)),
     ]

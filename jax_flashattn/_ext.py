@@ -70,6 +70,16 @@ def cuda_paged_page_rows(head_dim: int) -> int:
     return int(_lib.cuda_paged_page_rows(int(head_dim)))
 
 
+def cuda_sparse_backward_tensor_cores(dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                      value_head_dim: int, topk: int, shares_values: bool) -> bool:
+    """Whether the sparse backward's tensor-core kernels take a deterministic=False call on the
+    current CUDA device: half-precision dtype, head dims on their grid, tiles within the device's
+    shared memory. False without CUDA kernels or a device."""
+    return bool(_lib.cuda_sparse_backward_tensor_cores(jax.numpy.dtype(dtype).name, int(num_heads),
+                                                       int(num_kv_heads), int(head_dim), int(value_head_dim),
+                                                       int(topk), bool(shares_values)))
+
+
 def build_info() -> dict:
     return {
         "cpu": True,

@@ -144,12 +144,35 @@ def _cuda_forward(ctx, *args, config):
     return _ffi_fwd(ctx, *args, **_config_attrs(config))
 
 
-def _xla_backward_wanted(config):
-    """deterministic=False runs XLA's tensor-core GEMMs (_sparse_xla_backward.py) unless
-    JFA_SPARSE_BACKWARD=kernel (read when a call is traced) picks the CUDA kernels, tensor cores
-    where they take the call, for A/B timing. deterministic=True always runs the kernels: XLA's
-    scatter-add has no fixed order."""
-    return not config.deterministic and os.environ.get("JFA_SPARSE_BACKWARD", "xla") != "kernel"
+_BACKWARD_CHOICES = ("auto", "kernel", "xla")
+
+
+def _backward_choice():
+    """JFA_SPARSE_BACKWARD, read when a call is traced: auto (the default), kernel or xla."""
+    choice = os.environ.get("JFA_SPARSE_BACKWARD", "auto")
+    if choice not in _BACKWARD_CHOICES:
+        raise ValueError(f"JFA_SPARSE_BACKWARD must be one of {', '.join(_BACKWARD_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def _tensor_core_backward_takes(q, k, v, indices, config):
+    """Whether the CUDA tensor-core backward takes the call on this device (never deterministic=True)."""
+    return not config.deterministic and _ext.cuda_sparse_backward_tensor_cores(
+        q.dtype, q.shape[2], k.shape[2], q.shape[3], config.value_head_dim, indices.shape[3], v.ndim == 0)
+
+
+def _xla_backward_wanted(q, k, v, indices, config):
+    """Which backward runs a CUDA call. deterministic=True: the CUDA kernels' ordered scatter (XLA's
+    scatter-add has no fixed order). Otherwise the tensor-core kernels (two passes, float32 atomics)
+    where they take the call, else XLA's tensor-core GEMMs (_sparse_xla_backward.py);
+    JFA_SPARSE_BACKWARD=kernel or xla forces one of the two (kernel: the CUDA-core kernels where
+    the tensor-core ones do not take it)."""
+    if config.deterministic:
+        return False
+    choice = _backward_choice()
+    if choice != "auto":
+        return choice == "xla"
+    return not _tensor_core_backward_takes(q, k, v, indices, config)
 
 
 # Most bytes of P and scale·dS the tensor-core backward keeps at once: it takes (query position,
@@ -157,22 +180,21 @@ def _xla_backward_wanted(config):
 _SPARSE_WEIGHTS_BYTES = 1 << 30
 
 
-def _weights_workspace(q, indices, value_head_dim, config):
+def _weights_workspace(q, k, v, indices, config):
     """The tensor-core backward's P and scale·dS, [items, 2, N / K, topk in 64-slot blocks] in q's dtype
     (jfa::sparse_gpu::SparseBackwardWorkspace::weights), for as many (query position, key head)
-    items as _SPARSE_WEIGHTS_BYTES holds; no items where those kernels cannot take the call."""
+    items as _SPARSE_WEIGHTS_BYTES holds; no items where those kernels do not take the call."""
     B, T, K, topk = indices.shape
-    group, H = q.shape[2] // K, q.shape[3]
+    group = q.shape[2] // K
     slots = -(-topk // 64) * 64
-    takes = (not config.deterministic and q.dtype in (jnp.float16, jnp.bfloat16) and topk > 0
-             and H % 8 == 0 and H <= 576 and value_head_dim % 8 == 0 and value_head_dim <= 512)
     per_item = 2 * group * slots * q.dtype.itemsize
+    takes = _tensor_core_backward_takes(q, k, v, indices, config)
     items = min(B * T * K, max(1, _SPARSE_WEIGHTS_BYTES // per_item)) if takes else 0
     return jax.ShapeDtypeStruct((items, 2, group, slots), q.dtype)
 
 
 def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
-    if _xla_backward_wanted(config):
+    if _xla_backward_wanted(q, k, v, indices, config):
         dq, dk, dv = xla_backward(q, k, v if v.ndim else None, indices, o, lse, do, dlse, config)
         return dq, dk, (jnp.zeros((), q.dtype) if dv is None else dv)
     B, S, K, H = k.shape
@@ -185,7 +207,7 @@ def _cuda_backward_fn(q, k, v, indices, o, lse, do, dlse, *, config):
               jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
               jax.ShapeDtypeStruct((B, S, K, Hv) if v.ndim else (), jnp.float32),
               jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-              _weights_workspace(q, indices, Hv, config)]
+              _weights_workspace(q, k, v, indices, config)]
     dq, dk, dv, _, _, _, _ = jax.ffi.ffi_call(_ext.SPARSE_BACKWARD_TARGET, shapes)(
         q, k, v, indices, o, lse, do, dlse, **_config_attrs(config),
         deterministic=np.int32(config.deterministic))

@@ -2,9 +2,10 @@
 an indexer selected) and `attn_dist` (the attention distribution over those keys, summed over
 groups of query heads: the indexer's training target).
 
-Both run as XLA FFI custom calls (C++ on the CPU, CUDA on NVIDIA GPUs); on GPUs the backward is
-XLA's gathers and tensor-core einsums unless deterministic=True. docs/sparse-attention.md describes
-the semantics and what runs where.
+Both run as XLA FFI custom calls (C++ on the CPU, CUDA on NVIDIA GPUs); on GPUs the backward runs
+on tensor-core kernels where they take the call, else as XLA's gathers and tensor-core einsums, and
+on ordered CUDA-core kernels with deterministic=True. docs/sparse-attention.md describes the
+semantics and what runs where.
 """
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ def sparse_attention(query, key, value, indices, *, scale=None, is_causal=False,
     Differentiable in query, key and value (custom_vjp from the saved LSE); jit, vmap (any
     in_axes) and grad work. CPU: float32, float16, bfloat16 (float32 arithmetic). GPU: a
     tensor-core forward for float16/bfloat16 with H, Hv multiples of 8 up to 576/512 (CUDA cores
-    otherwise); the backward as XLA gathers and einsums, or with deterministic=True a CUDA-core
-    kernel (docs/sparse-attention.md).
+    otherwise); the backward on tensor-core kernels for the same calls where the device's shared
+    memory holds their tiles, else as XLA gathers and einsums (JFA_SPARSE_BACKWARD=kernel or xla
+    forces one), or with deterministic=True a CUDA-core kernel (docs/sparse-attention.md).
     """
     query, key = jnp.asarray(query), jnp.asarray(key)
     _check_query_key("sparse_attention", query, key)

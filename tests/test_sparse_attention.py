@@ -287,10 +287,14 @@ def test_host_int64_indices_beyond_int32_are_invalid():
     assert jfa.attn_dist(q, k, far, lse_far, head_group=2)[0, 0, 0].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("kernel_takes", [False, True])
 @pytest.mark.parametrize("shared_value", [False, True])
-def test_cuda_lowering(shared_value):
+def test_cuda_lowering(shared_value, kernel_takes, monkeypatch):
     """Lowering for CUDA, forward, backward (both scatter modes) and attn_dist, works without a GPU
-    (in a build without CUDA kernels it stops at the missing kernels, never before)."""
+    (in a build without CUDA kernels it stops at the missing kernels, never before). Whether the
+    tensor-core backward takes the call is the device's answer, given here."""
+    monkeypatch.delenv("JFA_SPARSE_BACKWARD", raising=False)
+    monkeypatch.setattr(_ext, "cuda_sparse_backward_tensor_cores", lambda *args: kernel_takes)
     q, k, v, indices, _, _ = random_case(0, 1, 4, 6, 4, 1, 576, 512, 3, dtype=jnp.bfloat16)
     value = None if shared_value else v
 
@@ -306,49 +310,73 @@ def test_cuda_lowering(shared_value):
     except RuntimeError as e:
         assert "without its CUDA kernels" in str(e)
         return
-    # deterministic=True (here with the shared value) runs the backward kernel; otherwise the
-    # backward's GEMMs are XLA's (_sparse_xla_backward).
-    for target in ("jfa_sparse_fwd", "jfa_attn_dist") + (("jfa_sparse_bwd",) if shared_value else ()):
+    # deterministic=True (here with the shared value) runs the ordered kernels; otherwise the
+    # tensor-core kernels where they take the call, else XLA's GEMMs (_sparse_xla_backward).
+    kernel_backward = shared_value or kernel_takes
+    for target in ("jfa_sparse_fwd", "jfa_attn_dist") + (("jfa_sparse_bwd",) if kernel_backward else ()):
         assert target in text
-    assert ("jfa_sparse_bwd" in text) == shared_value
+    assert ("jfa_sparse_bwd" in text) == kernel_backward
 
 
-@pytest.mark.parametrize("deterministic, dtype, H, Hv, budget, items", [
-    (False, jnp.bfloat16, 576, 512, 1 << 30, 4 * 3),   # every item fits: B·T·K of them
-    (False, jnp.float16, 64, 64, 5 * (2 * 4 * 128 * 2) + 100, 5),  # chunks of as many items as the budget holds
-    (False, jnp.bfloat16, 64, 64, 1, 1),               # never fewer than one
-    (True, jnp.bfloat16, 576, 512, 1 << 30, 0),        # the ordered kernels need none
-    (False, jnp.float32, 64, 64, 1 << 30, 0),          # nor do float32 calls (CUDA cores)
-    (False, jnp.bfloat16, 68, 64, 1 << 30, 0),         # nor head dims off the 16-byte grid
-    (False, jnp.bfloat16, 640, 512, 1 << 30, 0),       # nor ones past MLA's 576
+@pytest.mark.parametrize("deterministic, takes, budget, items", [
+    (False, True, 1 << 30, 4 * 3),                 # every item fits: B·T·K of them
+    (False, True, 5 * (2 * 4 * 128 * 2) + 100, 5),  # chunks of as many items as the budget holds
+    (False, True, 1, 1),                           # never fewer than one
+    (True, True, 1 << 30, 0),                      # the ordered kernels need none
+    (False, False, 1 << 30, 0),                    # nor calls the tensor-core kernels do not take
 ])
-def test_tensor_core_backward_weights_workspace(monkeypatch, deterministic, dtype, H, Hv, budget, items):
+def test_tensor_core_backward_weights_workspace(monkeypatch, deterministic, takes, budget, items):
     """The tensor-core backward's P and scale·dS workspace: [items, 2, N / K, topk in 64-slot blocks],
     as many (query position, key head) items as the byte budget holds, none where those kernels
-    cannot take the call."""
+    do not take the call; the device is asked with the call's dtype, heads, dims and topk."""
     monkeypatch.setattr(_sparse_primitives, "_SPARSE_WEIGHTS_BYTES", budget)
-    B, T, N, K, topk = 2, 2, 12, 3, 100
-    q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    asked = []
+    monkeypatch.setattr(_ext, "cuda_sparse_backward_tensor_cores", lambda *args: asked.append(args) or takes)
+    B, T, N, K, H, Hv, topk = 2, 2, 12, 3, 64, 48, 100
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float16)
+    k = jax.ShapeDtypeStruct((B, 7, K, H), jnp.float16)
     indices = jax.ShapeDtypeStruct((B, T, K, topk), jnp.int32)
-    config = type("Config", (), {"deterministic": deterministic})()
-    got = _sparse_primitives._weights_workspace(q, indices, Hv, config)
-    assert got.shape == (min(items, B * T * K), 2, N // K, 128) and got.dtype == dtype
+    config = type("Config", (), {"deterministic": deterministic, "value_head_dim": Hv})()
+    got = _sparse_primitives._weights_workspace(q, k, jnp.zeros((), jnp.float16), indices, config)
+    assert got.shape == (min(items, B * T * K), 2, N // K, 128) and got.dtype == jnp.float16
+    assert asked == ([] if deterministic else [(jnp.float16, N, K, H, Hv, topk, True)])
 
 
-def test_cuda_lowering_of_the_kernel_backward(monkeypatch):
-    """JFA_SPARSE_BACKWARD=kernel lowers the backward to the CUDA kernels, with the weights workspace
-    sized for every (query position, key head) item. Lowering needs no kernels, so a build without
+def test_cuda_tensor_core_backward_query():
+    """The device's answer: never for float32 or head dims off the kernels' grid, never without CUDA
+    kernels or a device; on a GPU, DeepSeek V3.2's shape (bfloat16, 128 heads, 576/512) is taken."""
+    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.float32, 128, 1, 576, 512, 2048, True)
+    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 68, 64, 2048, False)
+    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 640, 512, 2048, True)
+    on_gpu = _ext.has_cuda() and jax.default_backend() == "gpu"
+    assert _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 576, 512, 2048, True) == on_gpu
+
+
+@pytest.mark.parametrize("choice, kernel_takes, kernel_backward", [
+    (None, True, True), (None, False, False), ("kernel", False, True), ("xla", True, False)])
+def test_cuda_lowering_picks_the_backward(monkeypatch, choice, kernel_takes, kernel_backward):
+    """The default backward is the tensor-core kernels' where they take the call, with the weights
+    workspace sized for every (query position, key head) item; JFA_SPARSE_BACKWARD=kernel or xla
+    forces one; any other value is refused by name. Lowering needs no kernels, so a build without
     them is told it has them."""
-    monkeypatch.setenv("JFA_SPARSE_BACKWARD", "kernel")
+    if choice is None:
+        monkeypatch.delenv("JFA_SPARSE_BACKWARD", raising=False)
+    else:
+        monkeypatch.setenv("JFA_SPARSE_BACKWARD", choice)
     monkeypatch.setattr(_ext, "has_cuda", lambda: True)
+    monkeypatch.setattr(_ext, "cuda_sparse_backward_tensor_cores", lambda *args: kernel_takes)
     q, k, v, indices, _, _ = random_case(1, 1, 4, 6, 4, 1, 576, 512, 3, dtype=jnp.bfloat16)
 
-    def loss(q, k, v):
-        return jnp.sum(jfa.sparse_attention(q, k, v, indices).astype(jnp.float32))
+    def grads():
+        loss = lambda q, k, v: jnp.sum(jfa.sparse_attention(q, k, v, indices).astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jfa_sparse_bwd" in text
-    assert "tensor<4x2x4x64xbf16>" in text
+    text = grads().as_text()
+    assert ("jfa_sparse_bwd" in text) == kernel_backward
+    assert ("tensor<4x2x4x64xbf16>" in text) == (kernel_backward and kernel_takes)
+    monkeypatch.setenv("JFA_SPARSE_BACKWARD", "atomics")
+    with pytest.raises(ValueError, match="JFA_SPARSE_BACKWARD must be one of auto, kernel, xla, got 'atomics'"):
+        grads()
 
 
 # (shape, shared value, causal alignment or None, dtype, block_bytes): one block, blocks that
@@ -456,15 +484,16 @@ GPU_CASES = [
 ]
 
 
-# The three GPU backwards: XLA's (deterministic=False), the CUDA kernels' atomics (the same call
-# with JFA_SPARSE_BACKWARD=kernel: tensor cores where they take it) and the ordered scatter.
+# The three GPU backwards: XLA's (deterministic=False with JFA_SPARSE_BACKWARD=xla), the CUDA
+# kernels' atomics (JFA_SPARSE_BACKWARD=kernel: tensor cores where they take it, as by default)
+# and the ordered scatter.
 BACKWARDS = ["xla", "kernel", "ordered"]
 
 
 def use_backward(backward, monkeypatch):
     """The keywords and environment of one of BACKWARDS."""
-    if backward == "kernel":
-        monkeypatch.setenv("JFA_SPARSE_BACKWARD", "kernel")
+    if backward != "ordered":
+        monkeypatch.setenv("JFA_SPARSE_BACKWARD", backward)
     return dict(deterministic=backward == "ordered")
 
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "jfa/params.h"
 #include "xla/ffi/api/ffi.h"
 
 // X(target, stem): the handler is symbol stem##Cpu on the CPU and stem##Cuda on the GPU.
@@ -28,6 +29,12 @@ int64_t cuda_accum_cols(int64_t H);
 // head dim H, or 0 where no Hopper kernel runs H (module.cc exports it; the CUDA forward handler
 // refuses the other paged calls).
 int64_t cuda_paged_page_rows(int64_t H);
+// Whether the sparse backward's tensor-core kernels take a deterministic=False call of this dtype,
+// head counts, head dims and topk on the current device (its shared memory sizes the tiles); with
+// shares_values, V is K's first Hv columns. module.cc exports it: the lowering picks XLA's backward
+// for the calls they do not take (sparse_cuda.cc).
+bool cuda_sparse_backward_tensor_cores(DType dtype, int64_t N, int64_t K, int64_t H, int64_t Hv, int64_t topk,
+                                       bool shares_values);
 #ifdef JFA_HAS_SM90
 // Whether calls may run on the Hopper kernels: a compute capability 9.0 device, and
 // JFA_FORCE_SM80 not 1 (cuda_handlers.cc).

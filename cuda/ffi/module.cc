@@ -72,4 +72,19 @@ NB_MODULE(_jax_flashattn, m) {
     return 0;
 #endif
   }, "Page sizes (multiples of it) read in place by the Hopper forward at head_dim, or 0.");
+
+  m.def("cuda_sparse_backward_tensor_cores",
+        [](const std::string& dtype, int64_t N, int64_t K, int64_t H, int64_t Hv, int64_t topk,
+           bool shares_values) -> bool {
+#ifdef JFA_WITH_CUDA
+          if (dtype != "float16" && dtype != "bfloat16") return false;
+          const jfa::DType t = dtype == "float16" ? jfa::DType::kFloat16 : jfa::DType::kBFloat16;
+          return jfa::cuda_sparse_backward_tensor_cores(t, N, K, H, Hv, topk, shares_values);
+#else
+          (void)dtype, (void)N, (void)K, (void)H, (void)Hv, (void)topk, (void)shares_values;
+          return false;
+#endif
+        },
+        "Whether the sparse backward's tensor-core kernels take a deterministic=False call on the "
+        "current device (dtype name, query heads N, key heads K, head dims H and Hv, topk, V = K[..., :Hv]).");
 }

@@ -113,6 +113,28 @@ ffi::Error AttnDistCuda(AttnDistCall c) {
 }
 
 }  // namespace
+
+bool cuda_sparse_backward_tensor_cores(DType dtype, int64_t N, int64_t K, int64_t H, int64_t Hv, int64_t topk,
+                                       bool shares_values) {
+  SparseParams p;
+  p.dtype = dtype;
+  p.B = p.T = p.S = 1;
+  p.N = N;
+  p.K = K;
+  p.H = H;
+  p.Hv = Hv;
+  p.topk = topk;
+  // Only null-ness is read: whether V is K's first columns, which sizes the tiles.
+  static const char kSomeValues = 0;
+  p.v = shares_values ? nullptr : &kSomeValues;
+  if (K < 1 || N % K != 0 || check_head_dims(p).failure()) return false;
+  sparse_gpu::SparseBackwardWorkspace ws;
+  static char kSomeWeights = 0;
+  ws.weights = &kSomeWeights;
+  ws.weight_items = 1;
+  return sparse_gpu::backward_tensor_cores_takes(p, ws);
+}
+
 }  // namespace jfa
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfaSparseForwardCuda,

@@ -7,8 +7,9 @@
 // portable CUDA-core kernels (float32 too, any size). The backward has tensor-core kernels for
 // deterministic=False on the forward's shapes (two passes: per query position dQ, P and scale·dS;
 // then dK and dV of the selected rows, added into float32 accumulators with atomics) and CUDA-core
-// kernels for the rest; jax_flashattn runs the latter for deterministic=True and otherwise still
-// computes the gradients with XLA (_sparse_xla_backward.py).
+// kernels for the rest; jax_flashattn runs the latter for deterministic=True, and computes the
+// gradients of deterministic=False calls the tensor-core kernels do not take with XLA
+// (_sparse_xla_backward.py).
 // On Hopper, the FFI handler first offers the forward and attn_dist to cuda/sm90's wgmma kernels
 // (sm90/api.h, can_implement_sparse_forward / can_implement_attn_dist: MLA's shape); what they do
 // not take comes here.
