@@ -4,8 +4,8 @@
 //      of one key/value head, the selected rows streamed through a ring. Per step each pair of
 //      warps computes logits = Q·Kᵀ and dP = dO·Vᵀ for its 16 heads (the pair splits the head dims),
 //      P = exp(scale·logits − LSE) and scale·dS = scale·P∘(dP − D), D = rowsum(dO∘O) − dLSE, and
-//      adds scale·dS·K into dQ in registers (each warp of a pair half of the columns); P and
-//      scale·dS of all the CTA's heads go through shared memory into the workspace (ws.weights);
+//      adds scale·dS·K into dQ in registers (each warp of a pair half of the columns); one warp of
+//      the pair writes P and the other scale·dS into the workspace (ws.weights);
 //   2. backward_key_rows.cu: dK = scale·dSᵀ·Q and dV = Pᵀ·dO of the selected rows from those
 //      weights, summed over all of a key head's query heads before the float32 atomics.
 // Forming dK and dV here instead, from the CTA's block of heads only, left their GEMMs two k16 steps
@@ -21,23 +21,21 @@ namespace jfa::sparse_gpu {
 namespace tc {
 namespace {
 
-// Where a backward CTA's shared memory goes (byte offsets; each region a multiple of 16 bytes).
+// Where a backward CTA's shared memory goes (byte offsets; each region a multiple of 16 bytes). No
+// slot flags and no staging of P and dS: at MLA's 576/512 that is what lets 64 heads (Q, dO, the
+// exchange and two 32-row key buffers: 227 KiB) fit on Hopper.
 template <typename Shape, typename Elem>
 struct BackwardSmem {
-  static constexpr int kPStride = Shape::kKeys + 8;  // P and dS rows, padded as Q's are
   static constexpr size_t kExchangeFloats = Shape::kWarps * Shape::kKeyTiles * 4 * 32;
   static constexpr size_t kQ = 0;
   static constexpr size_t kDout = kQ + sizeof(Elem) * Shape::kRows * Shape::kQStride;
-  static constexpr size_t kProbs = kDout + sizeof(Elem) * Shape::kRows * Shape::kVStride;
-  static constexpr size_t kDscores = kProbs + sizeof(Elem) * Shape::kRows * kPStride;
   // One exchange for the logits' and dP's partial sums in turn (a second costs as much again).
-  static constexpr size_t kExchange = kDscores + sizeof(Elem) * Shape::kRows * kPStride;
+  static constexpr size_t kExchange = kDout + sizeof(Elem) * Shape::kRows * Shape::kVStride;
   static constexpr size_t kK = kExchange + sizeof(float) * kExchangeFloats;
   static constexpr size_t kV = kK + sizeof(Elem) * Shape::kStages * Shape::kKeys * Shape::kQStride;
-  __host__ __device__ static size_t valid(bool separate_v) {
+  __host__ __device__ static size_t bytes(bool separate_v) {
     return kV + (separate_v ? sizeof(Elem) * Shape::kStages * Shape::kKeys * Shape::kVStride : 0);
   }
-  __host__ __device__ static size_t bytes(bool separate_v) { return valid(separate_v) + Shape::kStages * Shape::kKeys; }
 };
 
 // The LSE (log2 units; +inf for a head past the block or a row that saw no key, so that its P is 0)
@@ -61,53 +59,60 @@ __device__ __forceinline__ RowTerms row_terms(const SparseParams& p, const Spars
   return terms;
 }
 
+// Bit 2·nt + (e & 1) says whether the step's slot fragment_key(nt, e, lane) selects a key. Read
+// from the index row (every warp reads the same row, so it stays in L1) instead of flags in shared
+// memory, which the 64-head tile has no room for.
+template <typename Shape>
+__device__ __forceinline__ uint32_t slot_validity(const SparseParams& p, const TileItem& it, int64_t step, int lane) {
+  const int32_t* indices = p.indices + p.index_row(it.b, it.t, it.kh);
+  uint32_t bits = 0;
+#pragma unroll
+  for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t slot = step * Shape::kKeys + fragment_key(nt, e, lane);
+      const int32_t s = slot < p.topk ? __ldg(indices + slot) : -1;
+      bits |= uint32_t(sparse_index_valid(p, it.t, s)) << (2 * nt + e);
+    }
+  return bits;
+}
+
 // s (logits) becomes P and dp becomes scale·dS; invalid slots give 0 in both.
 template <typename Shape>
-__device__ __forceinline__ void probs_and_dscores(const SparseParams& p, const RowTerms& terms, const uint8_t* valid,
-                                                  int lane, float (&s)[Shape::kKeyTiles][4],
-                                                  float (&dp)[Shape::kKeyTiles][4]) {
+__device__ __forceinline__ void probs_and_dscores(const SparseParams& p, const RowTerms& terms, uint32_t valid_bits,
+                                                  float (&s)[Shape::kKeyTiles][4], float (&dp)[Shape::kKeyTiles][4]) {
   const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
   for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e / 2;
-      const bool ok = valid[fragment_key(nt, e, lane)];
+      const bool ok = (valid_bits >> (2 * nt + (e & 1))) & 1u;
       const float prob = ok ? exp2f(s[nt][e] * scale_log2 - terms.lse_log2[r]) : 0.f;
       s[nt][e] = prob;
       dp[nt][e] = ok ? p.scale * prob * (dp[nt][e] - terms.d[r]) : 0.f;
     }
 }
 
-// The pair's rows of w (16 x kKeys, fragment layout) into the CTA's [kRows, kPStride] tile.
-template <typename Shape, typename Elem, int kPStride>
-__device__ __forceinline__ void store_rows(const WarpRole<Shape>& role, const float (&w)[Shape::kKeyTiles][4],
-                                           Elem* tile) {
-  const int lane = role.lane;
-#pragma unroll
-  for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      *reinterpret_cast<uint32_t*>(tile + (role.row_group * 16 + lane / 4 + 8 * r) * kPStride + nt * 8 + lane % 4 * 2) =
-          mma::pack2<Elem>(w[nt][2 * r], w[nt][2 * r + 1]);
-}
-
-// The step's P and scale·dS of the CTA's heads ([kRows][kPStride] tiles in shared memory) into the
-// item's rows of the workspace, in 16-byte chunks.
-template <typename Shape, typename Elem, int kPStride>
+// The step's weights w (P for which = 0, scale·dS for 1) of the pair's heads, in the logits'
+// fragment layout, into the item's rows of the workspace; heads past the block are skipped. Steps
+// are kKeys long and kKeys divides 64, so every step ends within the padded row.
+template <typename Shape, typename Elem>
 __device__ __forceinline__ void store_weights(const SparseParams& p, const SparseBackwardWorkspace& ws,
-                                              const TileItem& it, int64_t local_item, int64_t step,
-                                              const Elem* sprobs, const Elem* sdscores) {
-  constexpr int kChunks = Shape::kKeys / 8;
+                                              const TileItem& it, const WarpRole<Shape>& role, int64_t local_item,
+                                              int64_t step, int which, const float (&w)[Shape::kKeyTiles][4]) {
   const int64_t G = p.group_size(), row_slots = weight_row_slots(p.topk);
-  const int rows = static_cast<int>(it.n_end - it.n0);
-  // Steps are kKeys long and kKeys divides 64, so the last one ends within the padded row.
-  Elem* base = static_cast<Elem*>(ws.weights) + (local_item * 2 * G + (it.n0 - it.kh * G)) * row_slots +
+  const int lane = role.lane;
+  Elem* base = static_cast<Elem*>(ws.weights) + (local_item * 2 * G + which * G + (it.n0 - it.kh * G)) * row_slots +
                step * Shape::kKeys;
-  for (int i = threadIdx.x; i < 2 * rows * kChunks; i += Shape::kThreads) {
-    const int which = i / (rows * kChunks), r = i / kChunks % rows, c = i % kChunks;  // which: 0 P, 1 scale·dS
-    const Elem* src = (which == 0 ? sprobs : sdscores) + r * kPStride + c * 8;
-    *reinterpret_cast<uint4*>(base + (which * G + r) * row_slots + c * 8) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = role.row_group * 16 + lane / 4 + 8 * r;
+    if (it.n0 + head >= it.n_end) continue;
+    Elem* row = base + head * row_slots;
+#pragma unroll
+    for (int nt = 0; nt < Shape::kKeyTiles; ++nt)
+      *reinterpret_cast<uint32_t*>(row + nt * 8 + lane % 4 * 2) = mma::pack2<Elem>(w[nt][2 * r], w[nt][2 * r + 1]);
   }
 }
 
@@ -135,16 +140,12 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     sparse_backward_tc_kernel(SparseParams p, SparseBackwardWorkspace ws, int64_t first_item) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Plan = BackwardSmem<Shape, Elem>;
-  constexpr int kPStride = Plan::kPStride;
   const bool separate_v = p.v != nullptr;
   Elem* sq = reinterpret_cast<Elem*>(smem + Plan::kQ);
   Elem* sdout = reinterpret_cast<Elem*>(smem + Plan::kDout);
-  Elem* sprobs = reinterpret_cast<Elem*>(smem + Plan::kProbs);
-  Elem* sdscores = reinterpret_cast<Elem*>(smem + Plan::kDscores);
   float* exchange = reinterpret_cast<float*>(smem + Plan::kExchange);
   Elem* sk = reinterpret_cast<Elem*>(smem + Plan::kK);
   Elem* sv = separate_v ? reinterpret_cast<Elem*>(smem + Plan::kV) : nullptr;
-  uint8_t* valid = smem + Plan::valid(separate_v);
   constexpr int kKBuffer = Shape::kKeys * Shape::kQStride, kVBuffer = Shape::kKeys * Shape::kVStride;
 
   const int64_t blocks = (p.group_size() + Shape::kRows - 1) / Shape::kRows;
@@ -157,23 +158,23 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       it, static_cast<const Elem*>(p.dout), p.Hv, [&](int64_t n) { return p.o_row(it.b, it.t, n); }, sdout);
 
   float dq[Shape::kDimQK / 16][4] = {};
-  for_each_step<Shape>(p, it, sq, sk, sv, valid, nullptr, [&](int64_t step, int buf) {
+  for_each_step<Shape>(p, it, sq, sk, sv, static_cast<uint8_t*>(nullptr), nullptr, [&](int64_t step, int buf) {
     const Elem* keys = sk + buf * kKBuffer;
     const Elem* values = separate_v ? sv + buf * kVBuffer : keys;
     const int v_stride = separate_v ? Shape::kVStride : Shape::kQStride;
+    // Read before the products, whose fragments leave no registers for eight index loads.
+    const uint32_t valid_bits = slot_validity<Shape>(p, it, step, role.lane);
     float s[Shape::kKeyTiles][4], dp[Shape::kKeyTiles][4];
     step_logits<Shape>(role, sq, keys, exchange, s);
     role.pair_barrier();  // the partner has read the logits' partials before dP's overwrite them
     pair_products<Shape, Shape::kDimV, Shape::kVStride>(role, sdout, values, v_stride, exchange, dp);
-    probs_and_dscores<Shape>(p, terms, valid + buf * Shape::kKeys, role.lane, s, dp);
+    probs_and_dscores<Shape>(p, terms, valid_bits, s, dp);
     accumulate_half_columns<Shape, Shape::kDimQK>(role, dp, keys, Shape::kQStride, dq);
-    if (role.half == 0) {  // both warps of a pair hold the same P and dS
-      store_rows<Shape, Elem, kPStride>(role, s, sprobs);
-      store_rows<Shape, Elem, kPStride>(role, dp, sdscores);
-    }
-    __syncthreads();  // every pair's P and dS are in
-    store_weights<Shape, Elem, kPStride>(p, ws, it, local_item, step, sprobs, sdscores);
-    // The next step's barrier (for_each_step) keeps P and dS until every thread has copied them.
+    // Both warps of a pair hold the same P and dS: each writes one.
+    if (role.half == 0)
+      store_weights<Shape, Elem>(p, ws, it, role, local_item, step, 0, s);
+    else
+      store_weights<Shape, Elem>(p, ws, it, role, local_item, step, 1, dp);
   });
   write_dq<Shape, Elem>(p, it, role, dq);
 }
@@ -203,7 +204,7 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
 }
 
 // 64 heads per CTA where the group has more than 32 and they fit in shared memory (at MLA's 576/512
-// they do not), else 32, else 16: each gathered row serves the CTA's heads. Calls without a weights
+// only with V inside K, on Hopper), else 32, else 16: each gathered row serves the CTA's heads. Calls without a weights
 // workspace are not taken.
 cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, bool launch,
                               cudaStream_t stream) {

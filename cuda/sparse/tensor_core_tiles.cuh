@@ -200,8 +200,8 @@ struct StepLoader {
   }
 
   // Starts the copies of the fetched step's rows into buffer `buf` (zeros for an invalid slot, whose
-  // row is never read, and past the head dims) and marks which slots are valid; where `rows` is
-  // given, also which key row each slot holds (-1: invalid), for the backward's scatter.
+  // row is never read, and past the head dims); where `valid` is given, marks which slots are
+  // valid, and where `rows` is, which key row each slot holds (-1: invalid).
   __device__ __forceinline__ void copy(int buf, Elem* sk, Elem* sv, uint8_t* valid, int32_t* rows) const {
     const int32_t s = next_index;
     const bool ok = sparse_index_valid(p, it.t, s);
@@ -211,7 +211,7 @@ struct StepLoader {
       copy_row<Shape::kDimV, Shape::kVStride>(static_cast<const Elem*>(p.v), ok ? p.v_row(it.b, s, it.kh) : 0, p.Hv,
                                               ok, sv + (buf * Shape::kKeys + key) * Shape::kVStride);
     if (first_chunk == 0) {
-      valid[buf * Shape::kKeys + key] = ok;
+      if (valid != nullptr) valid[buf * Shape::kKeys + key] = ok;
       if (rows != nullptr) rows[buf * Shape::kKeys + key] = ok ? s : -1;
     }
   }
@@ -228,7 +228,8 @@ struct StepLoader {
 
 // Runs body(step, buf) for each step of the CTA's selected slots, its rows in ring buffer `buf`,
 // with the copies of the next kStages − 1 steps in flight. Loads the CTA's queries first (in the
-// first step's copies, as is anything the caller started copying before). `rows` may be null.
+// first step's copies, as is anything the caller started copying before). `valid` and `rows` may
+// be null.
 template <typename Shape, typename Elem, typename Body>
 __device__ __forceinline__ void for_each_step(const SparseParams& p, const TileItem& it, Elem* sq, Elem* sk, Elem* sv,
                                               uint8_t* valid, int32_t* rows, Body&& body) {
