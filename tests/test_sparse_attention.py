@@ -287,14 +287,14 @@ def test_host_int64_indices_beyond_int32_are_invalid():
     assert jfa.attn_dist(q, k, far, lse_far, head_group=2)[0, 0, 0].tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("kernel_takes", [False, True])
 @pytest.mark.parametrize("shared_value", [False, True])
-def test_cuda_lowering(shared_value, kernel_takes, monkeypatch):
+def test_cuda_lowering(shared_value, monkeypatch):
     """Lowering for CUDA, forward, backward (both scatter modes) and attn_dist, works without a GPU
-    (in a build without CUDA kernels it stops at the missing kernels, never before). Whether the
-    tensor-core backward takes the call is the device's answer, given here."""
+    (in a build without CUDA kernels it stops at the missing kernels, never before). The device is
+    said not to take the tensor-core backward, so deterministic=False lowers to XLA's form
+    (test_cuda_lowering_picks_the_backward has the other answer)."""
     monkeypatch.delenv("JFA_SPARSE_BACKWARD", raising=False)
-    monkeypatch.setattr(_ext, "cuda_sparse_backward_tensor_cores", lambda *args: kernel_takes)
+    monkeypatch.setattr(_ext, "cuda_sparse_backward_tensor_cores", lambda *args: False)
     q, k, v, indices, _, _ = random_case(0, 1, 4, 6, 4, 1, 576, 512, 3, dtype=jnp.bfloat16)
     value = None if shared_value else v
 
@@ -310,12 +310,11 @@ def test_cuda_lowering(shared_value, kernel_takes, monkeypatch):
     except RuntimeError as e:
         assert "without its CUDA kernels" in str(e)
         return
-    # deterministic=True (here with the shared value) runs the ordered kernels; otherwise the
-    # tensor-core kernels where they take the call, else XLA's GEMMs (_sparse_xla_backward).
-    kernel_backward = shared_value or kernel_takes
-    for target in ("jfa_sparse_fwd", "jfa_attn_dist") + (("jfa_sparse_bwd",) if kernel_backward else ()):
+    # deterministic=True (here with the shared value) runs the ordered kernels; otherwise, where the
+    # tensor-core kernels do not take the call, the backward's GEMMs are XLA's (_sparse_xla_backward).
+    for target in ("jfa_sparse_fwd", "jfa_attn_dist") + (("jfa_sparse_bwd",) if shared_value else ()):
         assert target in text
-    assert ("jfa_sparse_bwd" in text) == kernel_backward
+    assert ("jfa_sparse_bwd" in text) == shared_value
 
 
 @pytest.mark.parametrize("deterministic, takes, budget, items", [
@@ -344,12 +343,18 @@ def test_tensor_core_backward_weights_workspace(monkeypatch, deterministic, take
 
 def test_cuda_tensor_core_backward_query():
     """The device's answer: never for float32 or head dims off the kernels' grid, never without CUDA
-    kernels or a device; on a GPU, DeepSeek V3.2's shape (bfloat16, 128 heads, 576/512) is taken."""
-    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.float32, 128, 1, 576, 512, 2048, True)
-    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 68, 64, 2048, False)
-    assert not _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 640, 512, 2048, True)
-    on_gpu = _ext.has_cuda() and jax.default_backend() == "gpu"
-    assert _ext.cuda_sparse_backward_tensor_cores(jnp.bfloat16, 128, 1, 576, 512, 2048, True) == on_gpu
+    kernels; DeepSeek V3.2's shape (bfloat16, 128 heads, 576/512) on a Hopper GPU, whose shared
+    memory holds its tiles (GPUs with less, such as sm_86/sm_89, may answer no)."""
+    takes = _ext.cuda_sparse_backward_tensor_cores
+    assert not takes(jnp.float32, 128, 1, 576, 512, 2048, True)
+    assert not takes(jnp.bfloat16, 128, 1, 68, 64, 2048, False)
+    assert not takes(jnp.bfloat16, 128, 1, 640, 512, 2048, True)
+    assert not takes(jnp.bfloat16, 128, 3, 576, 512, 2048, True)  # heads not a multiple of key heads
+    if not _ext.has_cuda():
+        assert not takes(jnp.bfloat16, 128, 1, 576, 512, 2048, True)
+    elif jax.default_backend() == "gpu" and jax.devices()[0].compute_capability.startswith("9."):
+        assert takes(jnp.bfloat16, 128, 1, 576, 512, 2048, True)
+        assert takes(jnp.float16, 16, 2, 64, 64, 100, False)
 
 
 @pytest.mark.parametrize("choice, kernel_takes, kernel_backward", [
