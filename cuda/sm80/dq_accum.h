@@ -94,11 +94,8 @@ __forceinline__ __device__ void dq_wait_turn(int32_t* sem, int turn) {
 //   release: publish the finished adds with a release store; a barrier after every thread's adds
 //     comes before it, and the release is cumulative over what that barrier ordered before it.
 //     A release store, not fence.acq_rel + a relaxed store: the fence's acquire half invalidates
-//     the SM's L1 (CCTL.IVALL in the SASS) every step, so the next reloads of spilled registers and
-//     of the row statistics went to L2 (ncu: long-scoreboard stalls 17 % of samples against 10 %
-//     unordered), and it made the compiler issue the dQ adds as ATOMG instead of REDG. The
-//     release store measured 10.81 against 11.03 ms causal, 20.75 against 21.79 non-causal
-//     (H 128, one lane; deterministic-ab.csv, run B).
+//     the SM's L1 every step, sending the reloads of spilled registers and row statistics to L2,
+//     and turns the dQ adds into ATOMG instead of REDG (docs/performance.md has the figures).
 // The peek and the wait read relaxed, not acquire: an acquire read stalls its warp until the value
 // arrives, which is the latency the early read hides. What the order needs still holds: this CTA
 // issues its adds only after the branch on the value read (GPUs issue no memory operation past an

@@ -44,10 +44,9 @@ cudaError_t run_fwd(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // deterministic=True runs the plain and causal backward on their ordered variants: the default
-// kernels compile without the ordering and keep their registers (with it compiled in as a run-time
-// flag, the plain backward spilled and lost 7-14 % on an H200), and the general kernel, which
-// orders at run time, made them 2.4-4x slower than the default (H200). Masked and dropout calls
-// stay on their general kernels.
+// kernels compile without the ordering and keep their registers (compiled in as a run-time flag,
+// it made the plain backward spill), and the general kernel, which orders at run time, is several
+// times slower (docs/performance.md). Masked and dropout calls stay on their general kernels.
 inline Variant pick_bwd_variant(const AttentionParams& p) {
   const Variant v = pick_variant(p);
   if (!p.deterministic) return v;
