@@ -52,6 +52,10 @@ enum : int {
   kSparseBarStagedFirst = 6
 };
 
+// Top-k sparse backward's first pass (sparse_bwd_kernel.h), between its two consumer warpgroups:
+// warpgroup 1's dP of a block is in shared memory; warpgroup 0's scale·dS is.
+enum : int { kSparseBwdBarDpReady = 1, kSparseBwdBarDsReady = 2 };
+
 // Top-k attn_dist (sparse_dist_kernel.h): within consumer warpgroup w, its warps' column sums of a
 // block are in shared memory.
 enum : int { kSparseDistBarSumsFirst = 1 };

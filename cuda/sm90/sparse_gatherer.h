@@ -14,12 +14,14 @@ namespace jfa::sm90::sparse {
 
 using namespace cute;
 
-// Where a CTA's work lies: query (b, t), key head kh, query heads n0 … n0 + 63.
+// Where a CTA's work lies: query (b, t), key head kh, query heads n0 … n0 + 63; tile `cta` of the
+// grid's order (head block fastest, then key head, query position, batch), by default blockIdx.x.
 struct SparseTile {
   int64_t b, t, kh, n0;
-  __forceinline__ __device__ explicit SparseTile(const SparseParams& p) {
+  __forceinline__ __device__ explicit SparseTile(const SparseParams& p) : SparseTile(p, blockIdx.x) {}
+  __forceinline__ __device__ SparseTile(const SparseParams& p, int64_t cta) {
     const int64_t head_blocks = p.group_size() / 64;
-    int64_t i = blockIdx.x;
+    int64_t i = cta;
     const int64_t hb = i % head_blocks;
     i /= head_blocks;
     kh = i % p.K;

@@ -28,8 +28,7 @@ namespace jfa::sparse_gpu {
 // memory, which must stay under the 48 KB a launch gets without opting in to more.
 inline constexpr int64_t kMaxHeadDim = 2048;
 
-// Slots per row of the tensor-core backward's weights workspace: topk in whole 64-slot blocks.
-JFA_HOST_DEVICE constexpr int64_t weight_row_slots(int64_t topk) { return (topk + 63) / 64 * 64; }
+using jfa::weight_row_slots;
 
 // Scratch the backward needs, as extra FFI results (XLA allocates it; nothing here does).
 struct SparseBackwardWorkspace {
@@ -56,15 +55,23 @@ cudaError_t forward_cuda_cores(const SparseParams& p, cudaStream_t stream);
 // kTensorCores returns cudaErrorNotSupported, launching nothing, for a call it does not take.
 enum class BackwardKernels { kAuto, kTensorCores, kCudaCores };
 
+// Another first pass of the tensor-core backward (dQ, and P and scale·dS into the weights) for the
+// items [first_item, first_item + count), run in place of backward_tensor_cores.cu's: the FFI
+// handler passes cuda/sm90's wgmma one (sm90/api.h, sparse_backward_weights) for the calls it
+// takes. cudaErrorNotSupported (nothing launched) runs the mma.sync kernel for that chunk.
+using FirstPass = cudaError_t (*)(const SparseParams& p, const float* softmax_d, void* weights, int64_t first_item,
+                                  int64_t count, cudaStream_t stream);
+
 // Writes dq, dk, dv. With p.deterministic every key row's gradient is summed by one CTA in
 // (query, slot, head) order; otherwise float atomics scatter it in whatever order CTAs run.
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
-                     BackwardKernels kernels = BackwardKernels::kAuto);
+                     BackwardKernels kernels = BackwardKernels::kAuto, FirstPass first_pass = nullptr);
 // The tensor-core gradients kernels (backward_tensor_cores.cu, backward_key_rows.cu): whether they
 // take a call with this workspace, and the launches, which read ws.softmax_d, fill ws.weights
 // and add into the zeroed accumulators.
 bool backward_tensor_cores_takes(const SparseParams& p, const SparseBackwardWorkspace& ws);
-cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream);
+cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
+                                  FirstPass first_pass = nullptr);
 
 // Writes dist (deterministic: every element is summed in the same order on every run).
 cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream);

@@ -11,10 +11,10 @@
 //     -o /tmp/sparse_check
 //   /tmp/sparse_check [--small | --bench [T [S]]]     (--bench: T 4096, S 32768 unless given)
 //
-// With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward and attn_dist too: add the
-// compiled cuda/sm90/sparse_fwd.cu and sparse_dist.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward, attn_dist and the backward's
+// first pass too: add the compiled cuda/sm90/sparse_fwd.cu, sparse_dist.cu and sparse_bwd.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 // --expt-relaxed-constexpr -isystem <CuTe include> -c) to the link. JFA_SPARSE_CHECK_HOPPER=0
-// leaves both out of a run, =forward or =attn_dist runs that one alone (racecheck:
+// leaves them out of a run, =forward, =attn_dist or =backward runs that one alone (racecheck:
 // docs/sparse-attention.md#checks).
 #include <algorithm>
 #include <cmath>
@@ -138,7 +138,7 @@ struct Kernel {
 
 #ifdef JFA_SPARSE_CHECK_SM90
 // The Hopper kernels, or cudaErrorNotSupported (a skipped kernel) where JFA_SPARSE_CHECK_HOPPER
-// leaves them out: 0 both, attn_dist the forward (the one racecheck reports, docs/sparse-attention.md#checks).
+// leaves them out: 0 all, attn_dist the forward (the one racecheck reports, docs/sparse-attention.md#checks).
 bool hopper_runs(const std::string& kernel) {
   const char* run = std::getenv("JFA_SPARSE_CHECK_HOPPER");
   const std::string only = run == nullptr ? "1" : run;
@@ -150,6 +150,15 @@ cudaError_t hopper_forward(const SparseParams& p, cudaStream_t stream) {
 cudaError_t hopper_attn_dist(const SparseParams& p, cudaStream_t stream) {
   return hopper_runs("attn_dist") ? jfa::sm90::attn_dist(p, stream) : cudaErrorNotSupported;
 }
+// The tensor-core backward with the Hopper first pass, where it takes the call (else no first pass:
+// the run is then left out rather than repeating the mma.sync one).
+jfa::sparse_gpu::FirstPass hopper_backward_pass(const SparseParams& p) {
+  return hopper_runs("backward") && jfa::sm90::can_implement_sparse_backward_weights(p)
+             ? jfa::sm90::sparse_backward_weights
+             : nullptr;
+}
+#else
+jfa::sparse_gpu::FirstPass hopper_backward_pass(const SparseParams&) { return nullptr; }
 #endif
 
 // Runs `kernel` and waits for it; false (and a note) when it does not take the call.
@@ -235,18 +244,23 @@ void run_case(const Case& c, std::mt19937& rng) {
     std::string name;
     bool deterministic;
     BackwardKernels kernels;
+    jfa::sparse_gpu::FirstPass first_pass = nullptr;
   };
-  // Atomics on tensor cores (where that kernel takes the call) and on CUDA cores; the ordered
-  // scatter twice.
-  for (const BackwardRun& run : {BackwardRun{"tensor-core backward", false, BackwardKernels::kTensorCores},
-                                 BackwardRun{"atomic backward", false, BackwardKernels::kCudaCores},
-                                 BackwardRun{"ordered backward", true, BackwardKernels::kAuto},
-                                 BackwardRun{"ordered backward", true, BackwardKernels::kAuto}}) {
+  // Atomics on tensor cores (where that kernel takes the call; also with the Hopper first pass
+  // where that takes it) and on CUDA cores; the ordered scatter twice.
+  g.deterministic = false;
+  std::vector<BackwardRun> runs{BackwardRun{"tensor-core backward", false, BackwardKernels::kTensorCores}};
+  if (auto hopper = hopper_backward_pass(g))
+    runs.push_back(BackwardRun{"Hopper tensor-core backward", false, BackwardKernels::kTensorCores, hopper});
+  runs.push_back(BackwardRun{"atomic backward", false, BackwardKernels::kCudaCores});
+  runs.push_back(BackwardRun{"ordered backward", true, BackwardKernels::kAuto});
+  runs.push_back(BackwardRun{"ordered backward", true, BackwardKernels::kAuto});
+  for (const BackwardRun& run : runs) {
     g.deterministic = run.deterministic;
     d_dq.poison(); d_dk.poison(); d_dv.poison(); d_dk_acc.poison(); d_dv_acc.poison(); d_softmax_d.poison();
     d_weights.poison();
     if (!launched(Kernel{run.name, [&](const SparseParams& p, cudaStream_t stream) {
-                           return jfa::sparse_gpu::backward(p, ws, stream, run.kernels);
+                           return jfa::sparse_gpu::backward(p, ws, stream, run.kernels, run.first_pass);
                          }},
                   g, c))
       continue;
@@ -360,6 +374,15 @@ void bench(int64_t T, int64_t S) {
   const double tc_bwd = time_ms(backward_with(jfa::sparse_gpu::BackwardKernels::kTensorCores), 10);
   printf("bench T %lld S %lld: backward tensor cores %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, tc_bwd,
          bwd_flops / tc_bwd * 1e-9);
+  if (auto hopper = hopper_backward_pass(g)) {
+    const double hopper_bwd = time_ms(
+        [&](const SparseParams& p, cudaStream_t stream) {
+          return jfa::sparse_gpu::backward(p, ws, stream, jfa::sparse_gpu::BackwardKernels::kTensorCores, hopper);
+        },
+        10);
+    printf("bench T %lld S %lld: backward Hopper first pass %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S,
+           hopper_bwd, bwd_flops / hopper_bwd * 1e-9);
+  }
 }
 
 }  // namespace

@@ -56,4 +56,8 @@ JFA_HOST_DEVICE bool sparse_index_valid(const SparseParams& p, int64_t t, int32_
   return s >= 0 && s < p.S && (!p.is_causal || s <= t + p.causal_offset);
 }
 
+// Slots per row of the tensor-core backward's P and scale·dS workspace: topk in whole 64-slot
+// blocks (cuda/sparse/sparse_gpu.h, SparseBackwardWorkspace::weights).
+JFA_HOST_DEVICE constexpr int64_t weight_row_slots(int64_t topk) { return (topk + 63) / 64 * 64; }
+
 }  // namespace jfa

@@ -1,0 +1,354 @@
+// First pass of the top-k sparse backward on Hopper (sparse_bwd_traits.h has the tile): per query
+// position and 64 heads, dQ = scale·dS·K and the P and scale·dS that cuda/sparse's second pass
+// (backward_key_rows.cu) turns into dK and dV. Warpgroup 2 gathers Q, dO and each block of 32
+// selected rows with cp.async into the swizzled tiles wgmma reads (TMA has no row gather on sm90).
+// Per block:
+//   wg 1   dP = dO·Vᵀ, into shared memory;
+//   wg 0   S = Q·Kᵀ; then P = exp(scale·S − LSE) and scale·dS = scale·P∘(dP − D), both written to the
+//          workspace, dS to shared memory;
+//   both   dQ += scale·dS·K over their columns; then both release the block's buffer.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "jfa/sparse_params.h"
+#include "sm90/named_barriers.h"
+#include "sm90/sparse_bwd_traits.h"
+#include "sm90/sparse_gatherer.h"
+#include "sm90/sparse_logits.h"
+#include "sm90/utils.h"
+
+namespace jfa::sm90::sparse {
+
+using namespace cute;
+
+// Where a CTA's results go: the chunk's workspace of P and scale·dS, [items, 2, N / K,
+// weight_row_slots(topk)], item (b·T + t)·K + kh − first_item.
+struct BackwardOutputs {
+  const float* softmax_d;  // [B, T, N]: rowsum(dO∘O) − dLSE
+  void* weights;
+  int64_t first_item;
+};
+
+template <typename Element>
+__forceinline__ __device__ uint32_t pack_pair(float lo, float hi) {
+  return uint32_t(Element(lo).raw()) | uint32_t(Element(hi).raw()) << 16;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gathering warpgroup: thread (group g = tid / 8, chunk c = tid % 8) copies 16-byte chunk c of every
+// 64-column tile of its rows: g + 16·r of Q and dO (r < 4), of a block (r < 2).
+
+template <typename Traits>
+struct BackwardGatherer {
+  using Element = typename Traits::Element;
+  static constexpr int kRowsPerThread = Traits::kBlockKeys / 16;
+
+  const SparseParams& p;
+  const SparseTile& tile;
+  typename Traits::SharedStorage& smem;
+  int group, chunk;
+
+  template <int kRows, int kTileCount>
+  __forceinline__ __device__ Element* at(Element* buffer, int row, int column) const {
+    Tensor s = make_tensor(make_smem_ptr(buffer), typename Traits::template RowTiles<kRows, kTileCount>{});
+    return &s(row, column);
+  }
+
+  // Q's and dO's rows of the CTA's heads, then q_ready.
+  __forceinline__ __device__ void copy_heads() {
+    const Element* q = static_cast<const Element*>(p.q) + p.q_row(tile.b, tile.t, tile.n0) + chunk * 8;
+    const Element* dout = static_cast<const Element*>(p.dout) + p.o_row(tile.b, tile.t, tile.n0) + chunk * 8;
+    CUTE_UNROLL
+    for (int r = 0; r < Traits::kHeads / 16; ++r) {
+      const int row = group + 16 * r;
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kTiles; ++c)
+        copy_16b(at<Traits::kHeads, Traits::kTiles>(smem.q.data(), row, c * 64 + chunk * 8),
+                 q + int64_t(row) * p.H + c * 64, true);
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kVTiles; ++c)
+        copy_16b(at<Traits::kHeads, Traits::kVTiles>(smem.dout.data(), row, c * 64 + chunk * 8),
+                 dout + int64_t(row) * p.Hv + c * 64, true);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&smem.q_ready));
+  }
+
+  // The indices of block `block`'s rows into `indices`, loaded a block ahead of their copies;
+  // slots past topk read the last slot, in bounds, and are masked when copied.
+  __forceinline__ __device__ void fetch(int block, int32_t (&indices)[kRowsPerThread]) const {
+    const int32_t* row = p.indices + p.index_row(tile.b, tile.t, tile.kh);
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r)
+      indices[r] = __ldg(row + min(int64_t(block) * Traits::kBlockKeys + group + 16 * r, p.topk - 1));
+  }
+
+  // Block `block`'s rows (their indices fetched) into buffer j, zeros for slots that select
+  // nothing, then k_ready[j].
+  __forceinline__ __device__ void copy_block(int block, int j, const int32_t (&indices)[kRowsPerThread]) {
+    const Element* k = static_cast<const Element*>(p.k) + chunk * 8;
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = group + 16 * r;
+      const bool valid =
+          int64_t(block) * Traits::kBlockKeys + row < p.topk && sparse_index_valid(p, tile.t, indices[r]);
+      const Element* src = k + (valid ? p.k_row(tile.b, indices[r], tile.kh) : 0);
+      CUTE_UNROLL
+      for (int c = 0; c < Traits::kTiles; ++c)
+        copy_16b(at<Traits::kBlockKeys, Traits::kTiles>(smem.k[j].data(), row, c * 64 + chunk * 8), src + c * 64,
+                 valid);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&smem.k_ready[j]));
+  }
+
+  __forceinline__ __device__ void run(int blocks) {
+    int32_t next[kRowsPerThread];
+    if (blocks > 0) fetch(0, next);
+    copy_heads();
+    for (int block = 0; block < blocks; ++block) {
+      const int j = block % 2;
+      int32_t current[kRowsPerThread];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) current[r] = next[r];
+      if (block + 1 < blocks) fetch(block + 1, next);
+      // A fresh barrier's preceding phase counts as complete: each buffer's first wait passes.
+      smem.k_free[j].wait(((block / 2) & 1) ^ 1);
+      copy_block(block, j, current);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Consumer warpgroups.
+
+inline constexpr int kBackwardConsumerThreads = 256;  // both consumer warpgroups, at their meetings
+
+template <typename Traits>
+struct BackwardConsumer {
+  using Element = typename Traits::Element;
+  using ScoreMma = typename Traits::ScoreMma;
+  template <int kRows, int n>
+  using RowTiles = typename Traits::template RowTiles<kRows, n>;
+  template <int n>
+  using BlockColumns = typename Traits::template BlockColumns<n>;
+  using Dq0Mma = typename Traits::template DqMma<64 * Traits::kDq0Tiles>;
+  using Dq1Mma = typename Traits::template DqMma<64 * (Traits::kTiles - Traits::kDq0Tiles - 1)>;
+  using DqTailMma = typename Traits::template DqMma<64>;
+  static_assert(Traits::kTiles - Traits::kDq0Tiles - 1 == 4, "warpgroup 1's columns: 256, then 64");
+
+  const SparseParams& p;
+  const SparseTile& tile;
+  typename Traits::SharedStorage& smem;
+  const BackwardOutputs& out;
+  const int wg, tid;
+
+  decltype(partition_fragment_C(ScoreMma{}, Shape<_64, Int<Traits::kBlockKeys>>{})) s;  // S, or dP in wg 1
+  decltype(partition_fragment_C(Dq0Mma{}, Shape<_64, _256>{})) dq;  // columns 0-255, or 256-511 in wg 1
+  decltype(partition_fragment_C(DqTailMma{}, Shape<_64, _64>{})) dq_tail;  // wg 1: columns 512-575
+
+  __forceinline__ __device__ BackwardConsumer(const SparseParams& p_, const SparseTile& tile_,
+                                              typename Traits::SharedStorage& smem_, const BackwardOutputs& out_,
+                                              int wg_)
+      : p(p_), tile(tile_), smem(smem_), out(out_), wg(wg_), tid(threadIdx.x % 128) {
+    clear(dq);
+    clear(dq_tail);
+  }
+
+  // Issues s = A·Kᵀ of block buffer j over kTileCount 64-column tiles of `a` (Q or dO; no commit).
+  template <int kTileCount>
+  __forceinline__ __device__ void issue_scores(Element* a, int j) {
+    ScoreMma mma;
+    auto thr = mma.get_slice(tid);
+    Element* rows = opaque(smem.k[j].data());
+    warpgroup_fence_operand(s);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int c = 0; c < kTileCount; ++c) {
+      Tensor sa = make_tensor(make_smem_ptr(a + c * Traits::kHeads * 64), RowTiles<Traits::kHeads, 1>{});
+      Tensor sk = make_tensor(make_smem_ptr(rows + c * Traits::kBlockKeys * 64), RowTiles<Traits::kBlockKeys, 1>{});
+      Tensor fa = thr.partition_fragment_A(sa);
+      Tensor fk = thr.partition_fragment_B(sk);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(fa); ++k) {
+        cute::gemm(mma, fa(_, _, k), fk(_, _, k), s);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+    }
+    warpgroup_fence_operand(s);
+  }
+
+  // Issues acc += dS·K over kTileCount column tiles of block buffer j from tile kFirst (no commit).
+  template <typename Mma, int kFirst, int kTileCount, typename Acc>
+  __forceinline__ __device__ void issue_dq(int j, Acc& acc) {
+    Mma mma;
+    auto thr = mma.get_slice(tid);
+    Tensor sds = make_tensor(make_smem_ptr(opaque(smem.ds.data())), typename Traits::DsTile{});
+    Tensor sk = make_tensor(make_smem_ptr(opaque(smem.k[j].data()) + kFirst * Traits::kBlockKeys * 64),
+                            BlockColumns<kTileCount>{});
+    Tensor fds = thr.partition_fragment_A(sds);
+    Tensor fk = thr.partition_fragment_B(sk);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(fds); ++k) cute::gemm(mma, fds(_, _, k), fk(_, _, k), acc);
+    warpgroup_fence_operand(acc);
+  }
+
+  // Accumulator element e of this thread: row tid / 32 · 16 + tid % 32 / 4, plus 8 for (e / 2) odd;
+  // column 8·(e / 4) + 2·(tid % 4) + e % 2.
+  __forceinline__ __device__ int row_of(int e) const { return tid / 32 * 16 + (e / 2) % 2 * 8 + tid % 32 / 4; }
+  __forceinline__ __device__ int column_of(int e) const { return 8 * (e / 4) + 2 * (tid % 4) + e % 2; }
+
+  // Waits until the gatherer's cp.async copies behind `ready` have landed; they are generic-proxy
+  // writes that wgmma reads through the async proxy, which the proxy fence orders.
+  __forceinline__ __device__ static void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
+    ready.wait(phase);
+    cutlass::arch::fence_view_async_shared();
+  }
+
+  // Bit 2·(e / 4) + e % 2: whether the slot of this thread's column of block `block` selects a key.
+  __forceinline__ __device__ uint32_t load_valid(int block) const {
+    const int32_t* indices = p.indices + p.index_row(tile.b, tile.t, tile.kh);
+    uint32_t bits = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < Traits::kBlockKeys / 4; ++i) {
+      const int64_t slot = int64_t(block) * Traits::kBlockKeys + 8 * (i / 2) + 2 * (tid % 4) + i % 2;
+      const int32_t key = slot < p.topk ? __ldg(indices + slot) : -1;
+      bits |= uint32_t(slot < p.topk && sparse_index_valid(p, tile.t, key)) << i;
+    }
+    return bits;
+  }
+
+  // Warpgroup 0: S, the exchange with warpgroup 1, P and scale·dS, dQ's first columns.
+  __forceinline__ __device__ void run_scores(int blocks) {
+    // The LSE in log2 units (+inf for a row that saw no key, so that its P is 0) and D of this
+    // thread's two rows.
+    float lse_log2[2], d[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int64_t stat = p.stat(tile.b, tile.t, tile.n0 + row_of(2 * r));
+      const float lse = p.lse[stat];
+      lse_log2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      d[r] = out.softmax_d[stat];
+    }
+    const float scale_log2 = p.scale * kLog2e;
+    const int64_t G = p.group_size(), row_slots = weight_row_slots(p.topk);
+    const int64_t item = (tile.b * p.T + tile.t) * p.K + tile.kh - out.first_item;
+    Element* probs = static_cast<Element*>(out.weights) + (item * 2 * G + (tile.n0 - tile.kh * G)) * row_slots;
+    Element* dscores = probs + G * row_slots;
+    Tensor sds = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::DsTile{});
+    wait_gathered(smem.q_ready, 0);
+    for (int block = 0; block < blocks; ++block) {
+      const int j = block % 2;
+      wait_gathered(smem.k_ready[j], (block / 2) & 1);
+      issue_scores<Traits::kTiles>(smem.q.data(), j);
+      warpgroup_commit_batch();
+      const uint32_t valid = load_valid(block);
+      warpgroup_wait<0>();
+      bar_sync(kSparseBwdBarDpReady, kBackwardConsumerThreads);
+      CUTE_UNROLL
+      for (int e = 0; e < size(s); e += 2) {
+        float w[2][2];  // [P, scale·dS][the pair]
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i) {
+          const int r = (e / 2) % 2;
+          const bool ok = (valid >> (2 * (e / 4) + i)) & 1u;
+          const float prob = ok ? exp2f(s(e + i) * scale_log2 - lse_log2[r]) : 0.f;
+          w[0][i] = prob;
+          w[1][i] = ok ? p.scale * prob * (smem.dp[e + i][tid] - d[r]) : 0.f;
+        }
+        const int64_t at = int64_t(row_of(e)) * row_slots + int64_t(block) * Traits::kBlockKeys + column_of(e);
+        *reinterpret_cast<uint32_t*>(probs + at) = pack_pair<Element>(w[0][0], w[0][1]);
+        const uint32_t ds_pair = pack_pair<Element>(w[1][0], w[1][1]);
+        *reinterpret_cast<uint32_t*>(dscores + at) = ds_pair;
+        *reinterpret_cast<uint32_t*>(&sds(row_of(e), column_of(e))) = ds_pair;
+      }
+      // dS's generic-proxy stores before wgmma reads them through the async proxy.
+      cutlass::arch::fence_view_async_shared();
+      bar_sync(kSparseBwdBarDsReady, kBackwardConsumerThreads);
+      issue_dq<Dq0Mma, 0, Traits::kDq0Tiles>(j, dq);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      smem.k_free[j].arrive();
+    }
+  }
+
+  // Warpgroup 1: dP into shared memory, dQ's last columns.
+  __forceinline__ __device__ void run_value_grads(int blocks) {
+    wait_gathered(smem.q_ready, 0);
+    for (int block = 0; block < blocks; ++block) {
+      const int j = block % 2;
+      wait_gathered(smem.k_ready[j], (block / 2) & 1);
+      issue_scores<Traits::kVTiles>(smem.dout.data(), j);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      // Warpgroup 0 read the previous block's dP before the last dS meeting, which this
+      // warpgroup has passed.
+      CUTE_UNROLL
+      for (int e = 0; e < size(s); ++e) smem.dp[e][tid] = s(e);
+      bar_arrive(kSparseBwdBarDpReady, kBackwardConsumerThreads);
+      bar_sync(kSparseBwdBarDsReady, kBackwardConsumerThreads);
+      issue_dq<Dq1Mma, Traits::kDq0Tiles, 4>(j, dq);
+      issue_dq<DqTailMma, Traits::kTiles - 1, 1>(j, dq_tail);
+      warpgroup_commit_batch();
+      // Also what lets warpgroup 0 overwrite dS: it waits for this block's dP meeting first.
+      warpgroup_wait<0>();
+      smem.k_free[j].arrive();
+    }
+  }
+
+  // This warpgroup's columns of dQ (scale is in dS) for the CTA's 64 heads.
+  template <typename Acc>
+  __forceinline__ __device__ void write_columns(const Acc& acc, int first_column) const {
+    Element* base = static_cast<Element*>(p.dq) + p.q_row(tile.b, tile.t, tile.n0) + first_column;
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2)
+      *reinterpret_cast<uint32_t*>(base + int64_t(row_of(e)) * p.H + column_of(e)) = pack_pair<Element>(acc(e), acc(e + 1));
+  }
+
+  __forceinline__ __device__ void write_dq() const {
+    if (wg == 0) {
+      write_columns(dq, 0);
+    } else {
+      write_columns(dq, 64 * Traits::kDq0Tiles);
+      write_columns(dq_tail, 64 * (Traits::kTiles - 1));
+    }
+  }
+};
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    sparse_backward_weights_kernel(const __grid_constant__ SparseParams p, const __grid_constant__ BackwardOutputs out) {
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+  if (threadIdx.x == 0) {
+    smem.q_ready.init(128);
+    for (int j = 0; j < 2; ++j) {
+      smem.k_ready[j].init(128);                       // every gathering thread's cp.async arrival
+      smem.k_free[j].init(kBackwardConsumerThreads);  // both consumer warpgroups
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const SparseTile tile(p, out.first_item * (p.group_size() / Traits::kHeads) + blockIdx.x);
+  const int blocks = int((p.topk + Traits::kBlockKeys - 1) / Traits::kBlockKeys);
+  const int wg = cutlass::canonical_warp_group_idx();
+  if (wg == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    BackwardGatherer<Traits>{p, tile, smem, int(threadIdx.x % 128) / 8, int(threadIdx.x % 8)}.run(blocks);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  BackwardConsumer<Traits> consumer(p, tile, smem, out, wg);
+  if (wg == 0)
+    consumer.run_scores(blocks);
+  else
+    consumer.run_value_grads(blocks);
+  consumer.write_dq();
+}
+
+}  // namespace jfa::sm90::sparse
