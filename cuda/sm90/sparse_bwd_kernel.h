@@ -249,6 +249,7 @@ struct BackwardConsumer {
       warpgroup_commit_batch();
       const uint32_t valid = load_valid(block);
       warpgroup_wait<0>();
+      warpgroup_fence_operand(s);  // no read of S moves above the wait
       bar_sync(kSparseBwdBarDpReady, kBackwardConsumerThreads);
       CUTE_UNROLL
       for (int e = 0; e < size(s); e += 2) {
@@ -286,6 +287,7 @@ struct BackwardConsumer {
       issue_scores<Traits::kVTiles>(smem.dout.data(), j);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
+      warpgroup_fence_operand(s);
       // Warpgroup 0 read the previous block's dP before the last dS meeting, which this
       // warpgroup has passed.
       CUTE_UNROLL
