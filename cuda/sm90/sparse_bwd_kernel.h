@@ -3,7 +3,7 @@
 // (backward_key_rows.cu) turns into dK and dV. Warpgroup 2 gathers Q, dO and each block of 32
 // selected rows with cp.async into the swizzled tiles wgmma reads (TMA has no row gather on sm90).
 // Per block:
-//   wg 1   dP = dO·Vᵀ, into shared memory;
+//   wg 1   dP = dO·Vᵀ, into shared memory (the next block's issued while wg 0 works on this one);
 //   wg 0   S = Q·Kᵀ; then P = exp(scale·S − LSE) and scale·dS = scale·P∘(dP − D), both written to the
 //          workspace, dS to shared memory;
 //   both   dQ += scale·dS·K over their columns; then both release the block's buffer.
@@ -278,14 +278,17 @@ struct BackwardConsumer {
     }
   }
 
-  // Warpgroup 1: dP into shared memory, dQ's last columns.
+  // Warpgroup 1: dP into shared memory, dQ's last columns. The next block's dP is issued as soon as
+  // this one's is handed over, so that it runs while warpgroup 0 forms P and dS.
   __forceinline__ __device__ void run_value_grads(int blocks) {
     wait_gathered(smem.q_ready, 0);
+    if (blocks > 0) {
+      wait_gathered(smem.k_ready[0], 0);
+      issue_scores<Traits::kVTiles>(smem.dout.data(), 0);
+      warpgroup_commit_batch();
+    }
     for (int block = 0; block < blocks; ++block) {
       const int j = block % 2;
-      wait_gathered(smem.k_ready[j], (block / 2) & 1);
-      issue_scores<Traits::kVTiles>(smem.dout.data(), j);
-      warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(s);
       // Warpgroup 0 read the previous block's dP before the last dS meeting, which this
@@ -293,11 +296,16 @@ struct BackwardConsumer {
       CUTE_UNROLL
       for (int e = 0; e < size(s); ++e) smem.dp[e][tid] = s(e);
       bar_arrive(kSparseBwdBarDpReady, kBackwardConsumerThreads);
+      if (block + 1 < blocks) {
+        wait_gathered(smem.k_ready[1 - j], ((block + 1) / 2) & 1);
+        issue_scores<Traits::kVTiles>(smem.dout.data(), 1 - j);
+        warpgroup_commit_batch();
+      }
       bar_sync(kSparseBwdBarDsReady, kBackwardConsumerThreads);
       issue_dq<Dq1Mma, Traits::kDq0Tiles, 4>(j, dq);
       issue_dq<DqTailMma, Traits::kTiles - 1, 1>(j, dq_tail);
       warpgroup_commit_batch();
-      // Also what lets warpgroup 0 overwrite dS: it waits for this block's dP meeting first.
+      // Also what lets warpgroup 0 overwrite dS: it waits for the next block's dP meeting first.
       warpgroup_wait<0>();
       smem.k_free[j].arrive();
     }
