@@ -268,9 +268,11 @@ struct BackwardConsumer {
         *reinterpret_cast<uint32_t*>(dscores + at) = ds_pair;
         *reinterpret_cast<uint32_t*>(&sds(row_of(e), column_of(e))) = ds_pair;
       }
-      // dS's generic-proxy stores before wgmma reads them through the async proxy.
+      // dS's generic-proxy stores before wgmma reads them through the async proxy. Only warpgroup 1
+      // waits at this meeting, as only warpgroup 0 waits at the dP one: each generation of an
+      // aligned bar.sync must be waited at from one instruction.
       cutlass::arch::fence_view_async_shared();
-      bar_sync(kSparseBwdBarDsReady, kBackwardConsumerThreads);
+      bar_arrive(kSparseBwdBarDsReady, kBackwardConsumerThreads);
       issue_dq<Dq0Mma, 0, Traits::kDq0Tiles>(j, dq);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
