@@ -138,7 +138,8 @@ struct Kernel {
 
 #ifdef JFA_SPARSE_CHECK_SM90
 // The Hopper kernels, or cudaErrorNotSupported (a skipped kernel) where JFA_SPARSE_CHECK_HOPPER
-// leaves them out: 0 all, attn_dist the forward (the one racecheck reports, docs/sparse-attention.md#checks).
+// leaves them out: 0 all; forward, attn_dist or backward runs that one alone (racecheck reports the
+// forward's and the backward's exchanges: docs/sparse-attention.md#checks).
 bool hopper_runs(const std::string& kernel) {
   const char* run = std::getenv("JFA_SPARSE_CHECK_HOPPER");
   const std::string only = run == nullptr ? "1" : run;
