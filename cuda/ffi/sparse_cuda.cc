@@ -96,11 +96,12 @@ ffi::Error SparseBackwardCuda(SparseBackwardCall c) {
   ws.dk_accum = static_cast<float*>(c.dk_accum->untyped_data());
   ws.dv_accum = p.v ? static_cast<float*>(c.dv_accum->untyped_data()) : nullptr;
   ws.softmax_d = static_cast<float*>(c.softmax_d->untyped_data());
-  sparse_gpu::FirstPass first_pass = nullptr;
+  sparse_gpu::BackwardPasses passes;
 #ifdef JFA_HAS_SM90
-  if (hopper_allowed() && sm90::can_implement_sparse_backward_weights(p)) first_pass = sm90::sparse_backward_weights;
+  if (hopper_allowed() && sm90::can_implement_sparse_backward_weights(p)) passes.first = sm90::sparse_backward_weights;
+  if (hopper_allowed() && sm90::can_implement_sparse_key_rows(p)) passes.second = sm90::sparse_key_rows;
 #endif
-  return launched(sparse_gpu::backward(p, ws, c.stream, sparse_gpu::BackwardKernels::kAuto, first_pass),
+  return launched(sparse_gpu::backward(p, ws, c.stream, sparse_gpu::BackwardKernels::kAuto, passes),
                   "sparse attention backward");
 }
 

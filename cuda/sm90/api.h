@@ -69,11 +69,21 @@ cudaError_t sparse_forward(const SparseParams& p, cudaStream_t stream);
 // (query position, key head) items [first_item, first_item + count): their rows of p.dq, and their
 // P and scale·dS into `weights` ([count, 2, N / K, weight_row_slots(topk)]), with D read from
 // softmax_d ([B, T, N]). cuda/sparse's second pass turns the weights into dK and dV
-// (sparse_gpu::backward's first_pass). cudaErrorNotSupported, nothing launched, for calls it
+// (sparse_gpu::backward's first pass). cudaErrorNotSupported, nothing launched, for calls it
 // does not take or a device without the shared memory it needs.
 bool can_implement_sparse_backward_weights(const SparseParams& p);
 cudaError_t sparse_backward_weights(const SparseParams& p, const float* softmax_d, void* weights, int64_t first_item,
                                     int64_t count, cudaStream_t stream);
+
+// Second pass of the top-k sparse backward on wgmma, sparse_key_rows_kernel.h: whether it takes
+// the call (the first pass's shapes: V inside K, float16/bfloat16, 16-byte aligned dout), and the
+// launch for the items [first_item, first_item + count): dK + dV of their selected rows added into
+// `accum` ([B, S, K, 576] float32) from the chunk's `weights` as the first pass wrote them
+// (sparse_gpu::backward's second pass). cudaErrorNotSupported, nothing launched, for calls it does
+// not take, unaligned buffers or a device without the shared memory it needs.
+bool can_implement_sparse_key_rows(const SparseParams& p);
+cudaError_t sparse_key_rows(const SparseParams& p, const void* weights, float* accum, int64_t first_item,
+                            int64_t count, cudaStream_t stream);
 
 // attn_dist (jax_flashattn.attn_dist) on wgmma, sparse_dist_kernel.h: whether it takes the call
 // (the forward's shapes without a value operand: float16/bfloat16, H 576, query heads per key head

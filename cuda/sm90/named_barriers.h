@@ -56,6 +56,10 @@ enum : int {
 // warpgroup 1's dP of a block is in shared memory; warpgroup 0's scale·dS is.
 enum : int { kSparseBwdBarDpReady = 1, kSparseBwdBarDsReady = 2 };
 
+// Top-k sparse backward's second pass (sparse_key_rows_kernel.h): within consumer warpgroup c, the
+// staged rows are free again (the last block's bulk reductions have read them), then written.
+enum : int { kSparseKeyRowsBarStagedFirst = 1 };
+
 // Top-k attn_dist (sparse_dist_kernel.h): within consumer warpgroup w, its warps' column sums of a
 // block are in shared memory.
 enum : int { kSparseDistBarSumsFirst = 1 };

@@ -122,7 +122,7 @@ unsigned convert_grid(int64_t count) {
 }  // namespace
 
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
-                     BackwardKernels kernels, FirstPass first_pass) {
+                     BackwardKernels kernels, BackwardPasses passes) {
   const bool tensor_cores = kernels != BackwardKernels::kCudaCores && backward_tensor_cores_takes(p, ws);
   if (kernels == BackwardKernels::kTensorCores && !tensor_cores) return cudaErrorNotSupported;
   const unsigned rows_grid = grid_of((p.B * p.T * p.N + kWarps - 1) / kWarps);
@@ -140,7 +140,7 @@ cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, c
       query_kernel<Elem, false><<<query_grid, kThreads, smem, stream>>>(p, ws);
       if (cudaError_t e = launch_ordered_backward<Elem>(p, ws, stream); e != cudaSuccess) return e;
     } else if (tensor_cores) {
-      if (cudaError_t e = backward_tensor_cores(p, ws, stream, first_pass); e != cudaSuccess) return e;
+      if (cudaError_t e = backward_tensor_cores(p, ws, stream, passes); e != cudaSuccess) return e;
     } else {
       query_kernel<Elem, true><<<query_grid, kThreads, smem, stream>>>(p, ws);
     }

@@ -180,11 +180,11 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 }
 
 // Runs both passes with `Shape`'s first pass where its shared memory fits (with `launch` false: only
-// says whether it would), ws.weight_items items at a time; `first_pass`, where given, runs each
-// chunk's first pass instead unless it declines.
+// says whether it would), ws.weight_items items at a time; `passes`, where given, run each chunk's
+// first or second pass instead unless they decline.
 template <typename Shape, typename Elem>
 cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, int max_smem, bool launch,
-                            cudaStream_t stream, FirstPass first_pass) {
+                            cudaStream_t stream, BackwardPasses passes) {
   const size_t smem = BackwardSmem<Shape, Elem>::bytes(p.v != nullptr);
   if (smem > static_cast<size_t>(max_smem) || !key_rows_take(p, max_smem)) return cudaErrorNotSupported;
   const int64_t blocks = (p.group_size() + Shape::kRows - 1) / Shape::kRows;
@@ -197,13 +197,15 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
     return e;
   for (int64_t first = 0; first < items; first += chunk) {
     const int64_t count = items - first < chunk ? items - first : chunk;
-    cudaError_t e = first_pass ? first_pass(p, ws.softmax_d, ws.weights, first, count, stream) : cudaErrorNotSupported;
+    cudaError_t e = passes.first ? passes.first(p, ws.softmax_d, ws.weights, first, count, stream) : cudaErrorNotSupported;
     if (e == cudaErrorNotSupported) {
       kernel<<<grid_of(count * blocks), Shape::kThreads, smem, stream>>>(p, ws, first);
       e = cudaGetLastError();
     }
     if (e != cudaSuccess) return e;
-    if (cudaError_t e = key_row_gradients(p, ws, first, count, stream); e != cudaSuccess) return e;
+    e = passes.second ? passes.second(p, ws.weights, ws.dk_accum, first, count, stream) : cudaErrorNotSupported;
+    if (e == cudaErrorNotSupported) e = key_row_gradients(p, ws, first, count, stream);
+    if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
@@ -212,7 +214,7 @@ cudaError_t launch_backward(const SparseParams& p, const SparseBackwardWorkspace
 // only with V inside K, on Hopper), else 32, else 16: each gathered row serves the CTA's heads. Calls without a weights
 // workspace are not taken.
 cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspace& ws, bool launch,
-                              cudaStream_t stream, FirstPass first_pass) {
+                              cudaStream_t stream, BackwardPasses passes) {
   if (p.deterministic || !tensor_core_shapes(p, /*reads_values=*/true) || ws.weights == nullptr ||
       ws.weight_items < 1)
     return cudaErrorNotSupported;
@@ -222,7 +224,7 @@ cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspa
     using Elem = decltype(tag);
     return dispatch_dims(p.H, p.Hv, [&](auto qk, auto v) {
       auto try_shape = [&](auto shape, bool wanted) {
-        return wanted ? launch_backward<decltype(shape), Elem>(p, ws, max_smem, launch, stream, first_pass)
+        return wanted ? launch_backward<decltype(shape), Elem>(p, ws, max_smem, launch, stream, passes)
                       : cudaErrorNotSupported;
       };
       return first_taken([&] { return try_shape(TileShape<qk(), v(), 4, 2>{}, group > 32); },
@@ -236,12 +238,12 @@ cudaError_t dispatch_backward(const SparseParams& p, const SparseBackwardWorkspa
 }  // namespace tc
 
 bool backward_tensor_cores_takes(const SparseParams& p, const SparseBackwardWorkspace& ws) {
-  return tc::dispatch_backward(p, ws, /*launch=*/false, nullptr, nullptr) == cudaSuccess;
+  return tc::dispatch_backward(p, ws, /*launch=*/false, nullptr, {}) == cudaSuccess;
 }
 
 cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
-                                  FirstPass first_pass) {
-  return tc::dispatch_backward(p, ws, /*launch=*/true, stream, first_pass);
+                                  BackwardPasses passes) {
+  return tc::dispatch_backward(p, ws, /*launch=*/true, stream, passes);
 }
 
 }  // namespace jfa::sparse_gpu

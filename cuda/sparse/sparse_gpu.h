@@ -61,17 +61,26 @@ enum class BackwardKernels { kAuto, kTensorCores, kCudaCores };
 // takes. cudaErrorNotSupported (nothing launched) runs the mma.sync kernel for that chunk.
 using FirstPass = cudaError_t (*)(const SparseParams& p, const float* softmax_d, void* weights, int64_t first_item,
                                   int64_t count, cudaStream_t stream);
+// Another second pass (dK and dV of the selected rows, added into ws.dk_accum from the chunk's
+// weights) for the same items, run in place of backward_key_rows.cu's: cuda/sm90's wgmma one
+// (sm90/api.h, sparse_key_rows). cudaErrorNotSupported (nothing launched) runs the mma.sync kernel.
+using SecondPass = cudaError_t (*)(const SparseParams& p, const void* weights, float* accum, int64_t first_item,
+                                   int64_t count, cudaStream_t stream);
+struct BackwardPasses {
+  FirstPass first = nullptr;
+  SecondPass second = nullptr;
+};
 
 // Writes dq, dk, dv. With p.deterministic every key row's gradient is summed by one CTA in
 // (query, slot, head) order; otherwise float atomics scatter it in whatever order CTAs run.
 cudaError_t backward(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
-                     BackwardKernels kernels = BackwardKernels::kAuto, FirstPass first_pass = nullptr);
+                     BackwardKernels kernels = BackwardKernels::kAuto, BackwardPasses passes = {});
 // The tensor-core gradients kernels (backward_tensor_cores.cu, backward_key_rows.cu): whether they
 // take a call with this workspace, and the launches, which read ws.softmax_d, fill ws.weights
 // and add into the zeroed accumulators.
 bool backward_tensor_cores_takes(const SparseParams& p, const SparseBackwardWorkspace& ws);
 cudaError_t backward_tensor_cores(const SparseParams& p, const SparseBackwardWorkspace& ws, cudaStream_t stream,
-                                  FirstPass first_pass = nullptr);
+                                  BackwardPasses passes = {});
 
 // Writes dist (deterministic: every element is summed in the same order on every run).
 cudaError_t attn_dist(const SparseParams& p, cudaStream_t stream);

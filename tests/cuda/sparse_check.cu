@@ -12,7 +12,8 @@
 //   /tmp/sparse_check [--small | --bench [T [S]]]     (--bench: T 4096, S 32768 unless given)
 //
 // With -DJFA_SPARSE_CHECK_SM90 it checks (and times) the Hopper forward, attn_dist and the backward's
-// first pass too: add the compiled cuda/sm90/sparse_fwd.cu, sparse_dist.cu and sparse_bwd.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// two passes too: add the compiled cuda/sm90/sparse_fwd.cu, sparse_dist.cu, sparse_bwd.cu and
+// sparse_key_rows.cu (nvcc -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 // --expt-relaxed-constexpr -isystem <CuTe include> -c) to the link. JFA_SPARSE_CHECK_HOPPER=0
 // leaves them out of a run, =forward, =attn_dist or =backward runs that one alone (racecheck:
 // docs/sparse-attention.md#checks).
@@ -151,15 +152,33 @@ cudaError_t hopper_forward(const SparseParams& p, cudaStream_t stream) {
 cudaError_t hopper_attn_dist(const SparseParams& p, cudaStream_t stream) {
   return hopper_runs("attn_dist") ? jfa::sm90::attn_dist(p, stream) : cudaErrorNotSupported;
 }
-// The tensor-core backward with the Hopper first pass, where it takes the call (else no first pass:
-// the run is then left out rather than repeating the mma.sync one).
-jfa::sparse_gpu::FirstPass hopper_backward_pass(const SparseParams& p) {
-  return hopper_runs("backward") && jfa::sm90::can_implement_sparse_backward_weights(p)
-             ? jfa::sm90::sparse_backward_weights
-             : nullptr;
+// Whether a Hopper pass declined a chunk since the last look: the chunk then ran on the mma.sync
+// pass, and a run meant to check the Hopper one would pass without it.
+bool hopper_pass_declined = false;
+cudaError_t checked_first_pass(const SparseParams& p, const float* softmax_d, void* weights, int64_t first_item,
+                               int64_t count, cudaStream_t stream) {
+  const cudaError_t e = jfa::sm90::sparse_backward_weights(p, softmax_d, weights, first_item, count, stream);
+  hopper_pass_declined |= e == cudaErrorNotSupported;
+  return e;
+}
+cudaError_t checked_second_pass(const SparseParams& p, const void* weights, float* accum, int64_t first_item,
+                                int64_t count, cudaStream_t stream) {
+  const cudaError_t e = jfa::sm90::sparse_key_rows(p, weights, accum, first_item, count, stream);
+  hopper_pass_declined |= e == cudaErrorNotSupported;
+  return e;
+}
+// The Hopper passes of the tensor-core backward that take the call (none: the runs with them are
+// left out rather than repeating the mma.sync ones).
+jfa::sparse_gpu::BackwardPasses hopper_backward_passes(const SparseParams& p) {
+  jfa::sparse_gpu::BackwardPasses passes;
+  if (!hopper_runs("backward")) return passes;
+  if (jfa::sm90::can_implement_sparse_backward_weights(p)) passes.first = checked_first_pass;
+  if (jfa::sm90::can_implement_sparse_key_rows(p)) passes.second = checked_second_pass;
+  return passes;
 }
 #else
-jfa::sparse_gpu::FirstPass hopper_backward_pass(const SparseParams&) { return nullptr; }
+bool hopper_pass_declined = false;
+jfa::sparse_gpu::BackwardPasses hopper_backward_passes(const SparseParams&) { return {}; }
 #endif
 
 // Runs `kernel` and waits for it; false (and a note) when it does not take the call.
@@ -245,13 +264,20 @@ void run_case(const Case& c, std::mt19937& rng) {
     std::string name;
     bool deterministic;
     BackwardKernels kernels;
-    jfa::sparse_gpu::FirstPass first_pass = nullptr;
+    jfa::sparse_gpu::BackwardPasses passes = {};
   };
-  // Atomics on tensor cores (where that kernel takes the call; also with the Hopper first pass
-  // where that takes it) and on CUDA cores; the ordered scatter twice.
+  // Atomics on tensor cores (where that kernel takes the call; also with each Hopper pass alone and
+  // both where they take it: the second reads either first pass's weights) and on CUDA cores; the
+  // ordered scatter twice.
   g.deterministic = false;
   std::vector<BackwardRun> runs{BackwardRun{"tensor-core backward", false, BackwardKernels::kTensorCores}};
-  if (auto hopper = hopper_backward_pass(g))
+  const jfa::sparse_gpu::BackwardPasses hopper = hopper_backward_passes(g);
+  if (hopper.first)
+    runs.push_back(BackwardRun{"Hopper first pass backward", false, BackwardKernels::kTensorCores, {hopper.first}});
+  if (hopper.second)
+    runs.push_back(
+        BackwardRun{"Hopper second pass backward", false, BackwardKernels::kTensorCores, {nullptr, hopper.second}});
+  if (hopper.first && hopper.second)
     runs.push_back(BackwardRun{"Hopper tensor-core backward", false, BackwardKernels::kTensorCores, hopper});
   runs.push_back(BackwardRun{"atomic backward", false, BackwardKernels::kCudaCores});
   runs.push_back(BackwardRun{"ordered backward", true, BackwardKernels::kAuto});
@@ -260,11 +286,13 @@ void run_case(const Case& c, std::mt19937& rng) {
     g.deterministic = run.deterministic;
     d_dq.poison(); d_dk.poison(); d_dv.poison(); d_dk_acc.poison(); d_dv_acc.poison(); d_softmax_d.poison();
     d_weights.poison();
+    hopper_pass_declined = false;
     if (!launched(Kernel{run.name, [&](const SparseParams& p, cudaStream_t stream) {
-                           return jfa::sparse_gpu::backward(p, ws, stream, run.kernels, run.first_pass);
+                           return jfa::sparse_gpu::backward(p, ws, stream, run.kernels, run.passes);
                          }},
                   g, c))
       continue;
+    expect(!hopper_pass_declined, (run.name + ": every chunk ran its Hopper passes").c_str(), 0, c);
     const auto dk_raw = d_dk.download<uint16_t>();
     const double dq_err = rel_err(as_float(d_dq.download<uint16_t>(), dt), as_float(dq_ref, dt));
     const double dk_err = rel_err(as_float(dk_raw, dt), as_float(dk_ref, dt));
@@ -375,15 +403,19 @@ void bench(int64_t T, int64_t S) {
   const double tc_bwd = time_ms(backward_with(jfa::sparse_gpu::BackwardKernels::kTensorCores), 10);
   printf("bench T %lld S %lld: backward tensor cores %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, tc_bwd,
          bwd_flops / tc_bwd * 1e-9);
-  if (auto hopper = hopper_backward_pass(g)) {
-    const double hopper_bwd = time_ms(
+  const jfa::sparse_gpu::BackwardPasses hopper_passes = hopper_backward_passes(g);
+  auto bench_passes = [&](const char* name, jfa::sparse_gpu::BackwardPasses passes) {
+    const double ms = time_ms(
         [&](const SparseParams& p, cudaStream_t stream) {
-          return jfa::sparse_gpu::backward(p, ws, stream, jfa::sparse_gpu::BackwardKernels::kTensorCores, hopper);
+          return jfa::sparse_gpu::backward(p, ws, stream, jfa::sparse_gpu::BackwardKernels::kTensorCores, passes);
         },
         10);
-    printf("bench T %lld S %lld: backward Hopper first pass %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S,
-           hopper_bwd, bwd_flops / hopper_bwd * 1e-9);
-  }
+    printf("bench T %lld S %lld: backward %s %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, name, ms,
+           bwd_flops / ms * 1e-9);
+  };
+  if (hopper_passes.first) bench_passes("Hopper first pass", {hopper_passes.first});
+  if (hopper_passes.second) bench_passes("Hopper second pass", {nullptr, hopper_passes.second});
+  if (hopper_passes.first && hopper_passes.second) bench_passes("Hopper both passes", hopper_passes);
 }
 
 }  // namespace
