@@ -14,16 +14,8 @@ cudaError_t launch_weights(const SparseParams& p, const float* softmax_d, void* 
                            int64_t count, cudaStream_t stream) {
   const int64_t ctas = count * (p.group_size() / Traits::kHeads);
   if (count < 1 || ctas > 0x7fffffff) return cudaErrorNotSupported;
-  int device = 0, max_smem = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return e;
-  if (max_smem < Traits::kSmemBytes) return cudaErrorNotSupported;
   auto kernel = sparse::sparse_backward_weights_kernel<Traits>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = sparse::allow_shared_memory(kernel, Traits::kSmemBytes); e != cudaSuccess) return e;
   kernel<<<unsigned(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(
       p, sparse::BackwardOutputs{softmax_d, weights, first_item});
   return cudaGetLastError();

@@ -160,23 +160,11 @@ struct BackwardConsumer {
   template <int kTileCount>
   __forceinline__ __device__ void issue_scores(Element* a, int j) {
     ScoreMma mma;
-    auto thr = mma.get_slice(tid);
-    Element* rows = opaque(smem.k[j].data());
     warpgroup_fence_operand(s);
     warpgroup_arrive();
     mma.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int c = 0; c < kTileCount; ++c) {
-      Tensor sa = make_tensor(make_smem_ptr(a + c * Traits::kHeads * 64), RowTiles<Traits::kHeads, 1>{});
-      Tensor sk = make_tensor(make_smem_ptr(rows + c * Traits::kBlockKeys * 64), RowTiles<Traits::kBlockKeys, 1>{});
-      Tensor fa = thr.partition_fragment_A(sa);
-      Tensor fk = thr.partition_fragment_B(sk);
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(fa); ++k) {
-        cute::gemm(mma, fa(_, _, k), fk(_, _, k), s);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-    }
+    accumulate_row_tiles<RowTiles<Traits::kHeads, 1>, RowTiles<Traits::kBlockKeys, 1>, 0, kTileCount>(
+        mma, tid, a, opaque(smem.k[j].data()), s);
     warpgroup_fence_operand(s);
   }
 
@@ -202,13 +190,6 @@ struct BackwardConsumer {
   // column 8·(e / 4) + 2·(tid % 4) + e % 2.
   __forceinline__ __device__ int row_of(int e) const { return tid / 32 * 16 + (e / 2) % 2 * 8 + tid % 32 / 4; }
   __forceinline__ __device__ int column_of(int e) const { return 8 * (e / 4) + 2 * (tid % 4) + e % 2; }
-
-  // Waits until the gatherer's cp.async copies behind `ready` have landed; they are generic-proxy
-  // writes that wgmma reads through the async proxy, which the proxy fence orders.
-  __forceinline__ __device__ static void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
-    ready.wait(phase);
-    cutlass::arch::fence_view_async_shared();
-  }
 
   // Bit 2·(e / 4) + e % 2: whether the slot of this thread's column of block `block` selects a key.
   __forceinline__ __device__ uint32_t load_valid(int block) const {

@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "sm90/sparse_mla.h"
 #include "sm90/utils.h"
 
 namespace jfa::sm90::sparse {
@@ -20,14 +21,10 @@ namespace jfa::sm90::sparse {
 using namespace cute;
 
 template <typename Element_>
-struct SparseBackwardTraits {
+struct SparseBackwardTraits : MlaRows {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
-  static constexpr int kDimQK = 576;
-  static constexpr int kDimV = 512;
   static constexpr int kHeads = 64;      // query heads per CTA: the MMAs' M
   static constexpr int kBlockKeys = 32;  // gathered rows per block
-  static constexpr int kTiles = kDimQK / 64;   // 64-column tiles of a Q or key row
-  static constexpr int kVTiles = kDimV / 64;   // of a dO row, and the key rows' value columns
   static constexpr int kDq0Tiles = 4;          // warpgroup 0's dQ columns; warpgroup 1 takes the rest
   static constexpr int kThreads = 3 * 128;     // two consumer warpgroups and the gathering one
   // Registers per thread after setmaxnreg: dQ's columns (128 or 160 floats) and a 64 x 32 tile of

@@ -26,7 +26,7 @@ template <typename Traits>
 struct DistConsumer : BlockLogits<Traits> {
   using Base = BlockLogits<Traits>;
   using Base::p, Base::tile, Base::smem, Base::wg, Base::tid, Base::s;
-  using Base::wait_gathered, Base::load_valid, Base::scale_and_mask, Base::fragment_column, Base::fragment_row;
+  using Base::load_valid, Base::scale_and_mask, Base::fragment_column, Base::fragment_row;
 
   // This thread's two rows' LSE in log2 units; +inf for a row that saw no key, so that its
   // probabilities exp2(S − lse) are 0.

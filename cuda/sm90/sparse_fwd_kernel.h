@@ -47,7 +47,7 @@ struct Consumer : BlockLogits<Traits> {
   template <int n>
   using ColumnTiles = typename Traits::template ColumnTiles<n>;
   using Base::p, Base::tile, Base::smem, Base::wg, Base::tid, Base::s;
-  using Base::wait_gathered, Base::load_valid, Base::scale_and_mask;
+  using Base::load_valid, Base::scale_and_mask;
   using Base::fragment_column, Base::fragment_row;
 
   // wg 0 accumulates O's columns 0-255, wg 1 columns 256-511.

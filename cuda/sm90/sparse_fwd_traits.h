@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "sm90/sparse_mla.h"
 #include "sm90/utils.h"
 
 namespace jfa::sm90::sparse {
@@ -20,13 +21,10 @@ namespace jfa::sm90::sparse {
 using namespace cute;
 
 template <typename Element_>
-struct SparseForwardTraits {
+struct SparseForwardTraits : MlaRows {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
-  static constexpr int kDimQK = 576;
-  static constexpr int kDimV = 512;
   static constexpr int kHeads = 64;      // query heads per CTA: the MMAs' M
   static constexpr int kBlockKeys = 64;  // gathered rows per block
-  static constexpr int kTiles = kDimQK / 64;        // 64-column tiles of a Q or key row
   static constexpr int kHalfVTiles = kDimV / 2 / 64;  // value tiles of one warpgroup's output columns
   static constexpr int kThreads = 3 * 128;          // two consumer warpgroups and the gathering one
   // Registers per thread after setmaxnreg: O's 256 columns (128 floats), the logits (32) and P

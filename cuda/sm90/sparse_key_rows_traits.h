@@ -16,6 +16,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "sm90/sparse_mla.h"
 #include "sm90/utils.h"
 
 namespace jfa::sm90::sparse {
@@ -23,10 +24,8 @@ namespace jfa::sm90::sparse {
 using namespace cute;
 
 template <typename Element_, int kHeads_>
-struct SparseKeyRowsTraits {
+struct SparseKeyRowsTraits : MlaRows {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
-  static constexpr int kDimQK = 576;
-  static constexpr int kDimV = 512;
   static constexpr int kHeads = kHeads_;  // query heads per CTA: the MMA's K (64 or 128)
   static constexpr int kSlots = 64;       // slots per block: the MMA's N
   static constexpr int kConsumers = 3;    // consumer warpgroups, one 64-column tile each

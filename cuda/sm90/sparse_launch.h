@@ -21,6 +21,19 @@ bool takes_sparse_shape(const SparseParams& p) {
          aligned_16(p.q) && aligned_16(p.k);
 }
 
+// Raises `kernel`'s dynamic shared memory to smem_bytes; cudaErrorNotSupported (nothing changed)
+// where the device cannot give a block that much.
+template <typename Kernel>
+cudaError_t allow_shared_memory(Kernel kernel, int smem_bytes) {
+  int device = 0, max_smem = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      e != cudaSuccess)
+    return e;
+  if (max_smem < smem_bytes) return cudaErrorNotSupported;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
 template <typename Traits>
 int64_t ctas_per_query_tile(const SparseParams& p) {
   return p.B * p.T * p.K * (p.group_size() / Traits::kHeads);

@@ -1,6 +1,7 @@
 // What both Hopper top-k sparse kernels (sparse_fwd_kernel.h, sparse_dist_kernel.h) compute per
 // block of 64 gathered rows in a consumer warpgroup: S = Q·Kᵀ over all 576 columns with wgmma from
 // shared memory, and the validity of each slot, read from the indices as the gatherer read them.
+// The backward's first pass (sparse_bwd_kernel.h) shares the GEMM and the wait for gathered rows.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -25,6 +26,32 @@ __forceinline__ __device__ T* opaque(T* ptr) {
   return ptr;
 }
 
+// Waits until a gatherer's cp.async copies behind `ready` have landed. They are generic-proxy
+// writes and wgmma reads through the async proxy: the proxy fence orders the two.
+__forceinline__ __device__ void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
+  ready.wait(phase);
+  cutlass::arch::fence_view_async_shared();
+}
+
+// Issues acc (+)= A·Bᵀ over the 64-column tiles [kFirst, kLast) of A and B, each stored as
+// consecutive K-major tiles of layout TileA / TileB (no arrive or commit): the logits' GEMM of the
+// forward, attn_dist and the backward's first pass. The first product overwrites acc where
+// mma.accumulate_ says so on entry; the rest add.
+template <typename TileA, typename TileB, int kFirst, int kLast, typename TiledMma, typename Element, typename Acc>
+__forceinline__ __device__ void accumulate_row_tiles(TiledMma& mma, int tid, Element* a, Element* b, Acc& acc) {
+  auto thr = mma.get_slice(tid);
+  CUTE_UNROLL
+  for (int c = kFirst; c < kLast; ++c) {
+    Tensor fa = thr.partition_fragment_A(make_tensor(make_smem_ptr(a + c * size(TileA{})), TileA{}));
+    Tensor fb = thr.partition_fragment_B(make_tensor(make_smem_ptr(b + c * size(TileB{})), TileB{}));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(fa); ++k) {
+      cute::gemm(mma, fa(_, _, k), fb(_, _, k), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+}
+
 // A consumer warpgroup's view of the CTA and its logits tile S (64 heads x 64 slots), shared by
 // the forward's and attn_dist's consumers.
 template <typename Traits>
@@ -47,35 +74,15 @@ struct BlockLogits {
                                          typename Traits::SharedStorage& smem_, int wg_)
       : p(p_), tile(tile_), smem(smem_), wg(wg_), tid(threadIdx.x % 128), scale_log2(p_.scale * kLog2e) {}
 
-  // Waits until the gatherer's cp.async copies behind `ready` have landed. They are generic-proxy
-  // writes and wgmma reads through the async proxy: the proxy fence orders the two.
-  __forceinline__ __device__ static void wait_gathered(cutlass::arch::ClusterBarrier& ready, int phase) {
-    ready.wait(phase);
-    cutlass::arch::fence_view_async_shared();
-  }
-
   // Issues S (+)= Q·Kᵀ over tiles [kFirst, kLast) of block buffer j (no commit).
   template <int kFirst, int kLast>
   __forceinline__ __device__ void issue_qk(int j, bool zero_init) {
     QkMma mma;
-    auto thr = mma.get_slice(tid);
-    Element* q = opaque(smem.q.data());
-    Element* k = opaque(smem.k[j].data());
     warpgroup_fence_operand(s);
     warpgroup_arrive();
     mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int c = kFirst; c < kLast; ++c) {
-      Tensor sq = make_tensor(make_smem_ptr(q + c * 64 * 64), RowTiles<1>{});
-      Tensor sk = make_tensor(make_smem_ptr(k + c * 64 * 64), RowTiles<1>{});
-      Tensor fq = thr.partition_fragment_A(sq);
-      Tensor fk = thr.partition_fragment_B(sk);
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(fq); ++k) {
-        cute::gemm(mma, fq(_, _, k), fk(_, _, k), s);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-    }
+    accumulate_row_tiles<RowTiles<1>, RowTiles<1>, kFirst, kLast>(mma, tid, opaque(smem.q.data()),
+                                                                  opaque(smem.k[j].data()), s);
     warpgroup_fence_operand(s);
   }
 
