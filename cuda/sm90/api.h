@@ -68,9 +68,9 @@ cudaError_t sparse_forward(const SparseParams& p, cudaStream_t stream);
 // (the forward's shapes, deterministic=False, 16-byte aligned dout and dq), and the launch for the
 // (query position, key head) items [first_item, first_item + count): their rows of p.dq, and their
 // P and scale·dS into `weights` ([count, 2, N / K, weight_row_slots(topk)]), with D read from
-// softmax_d ([B, T, N]). cuda/sparse's second pass turns the weights into dK and dV
-// (sparse_gpu::backward's first pass). cudaErrorNotSupported, nothing launched, for calls it
-// does not take or a device without the shared memory it needs.
+// softmax_d ([B, T, N]); the second pass (sparse_key_rows below, or cuda/sparse's) turns the
+// weights into dK and dV (sparse_gpu::backward's first pass). cudaErrorNotSupported, nothing
+// launched, for calls it does not take or a device without the shared memory it needs.
 bool can_implement_sparse_backward_weights(const SparseParams& p);
 cudaError_t sparse_backward_weights(const SparseParams& p, const float* softmax_d, void* weights, int64_t first_item,
                                     int64_t count, cudaStream_t stream);

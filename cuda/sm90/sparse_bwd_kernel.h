@@ -1,6 +1,6 @@
 // First pass of the top-k sparse backward on Hopper (sparse_bwd_traits.h has the tile): per query
-// position and 64 heads, dQ = scale·dS·K and the P and scale·dS that cuda/sparse's second pass
-// (backward_key_rows.cu) turns into dK and dV. Warpgroup 2 gathers Q, dO and each block of 32
+// position and 64 heads, dQ = scale·dS·K and the P and scale·dS that the second pass
+// (sparse_key_rows_kernel.h, or cuda/sparse/backward_key_rows.cu) turns into dK and dV. Warpgroup 2 gathers Q, dO and each block of 32
 // selected rows with cp.async into the swizzled tiles wgmma reads (TMA has no row gather on sm90).
 // Per block:
 //   wg 1   dP = dO·Vᵀ, into shared memory (the next block's issued while wg 0 works on this one);
