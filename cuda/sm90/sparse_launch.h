@@ -21,15 +21,19 @@ bool takes_sparse_shape(const SparseParams& p) {
          aligned_16(p.q) && aligned_16(p.k);
 }
 
+// The shared memory a block on the current device may opt in to, into *bytes.
+inline cudaError_t block_smem_limit(int* bytes) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
+
 // Raises `kernel`'s dynamic shared memory to smem_bytes; cudaErrorNotSupported (nothing changed)
 // where the device cannot give a block that much.
 template <typename Kernel>
 cudaError_t allow_shared_memory(Kernel kernel, int smem_bytes) {
-  int device = 0, max_smem = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return e;
+  int max_smem = 0;
+  if (cudaError_t e = block_smem_limit(&max_smem); e != cudaSuccess) return e;
   if (max_smem < smem_bytes) return cudaErrorNotSupported;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
@@ -43,11 +47,8 @@ int64_t ctas_per_query_tile(const SparseParams& p) {
 // where not (checked before anything is written).
 template <typename Traits>
 cudaError_t fits_per_query_tile(const SparseParams& p) {
-  int device = 0, max_smem = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return e;
+  int max_smem = 0;
+  if (cudaError_t e = block_smem_limit(&max_smem); e != cudaSuccess) return e;
   const int64_t ctas = ctas_per_query_tile<Traits>(p);
   return max_smem < Traits::kSmemBytes || ctas <= 0 || ctas > 0x7fffffff ? cudaErrorNotSupported : cudaSuccess;
 }
@@ -58,9 +59,7 @@ template <typename Traits>
 cudaError_t launch_per_query_tile(void (*kernel)(SparseParams), const SparseParams& p, cudaStream_t stream) {
   if (cudaError_t e = fits_per_query_tile<Traits>(p); e != cudaSuccess) return e;
   const int64_t ctas = ctas_per_query_tile<Traits>(p);
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = allow_shared_memory(kernel, Traits::kSmemBytes); e != cudaSuccess) return e;
   kernel<<<unsigned(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
