@@ -3,7 +3,7 @@
 // (sparse_key_rows_kernel.h, or cuda/sparse/backward_key_rows.cu) turns into dK and dV. Warpgroup 2 gathers Q, dO and each block of 32
 // selected rows with cp.async into the swizzled tiles wgmma reads (TMA has no row gather on sm90).
 // Per block:
-//   wg 1   dP = dO·Vᵀ, into shared memory (the next block's issued while wg 0 works on this one);
+//   wg 1   dP = dO·Vᵀ, into shared memory (the next block's issued behind this one's dQ columns);
 //   wg 0   S = Q·Kᵀ; then P = exp(scale·S − LSE) and scale·dS = scale·P∘(dP − D), both written to the
 //          workspace, dS to shared memory;
 //   both   dQ += scale·dS·K over their columns; then both release the block's buffer.
@@ -45,6 +45,7 @@ template <typename Traits>
 struct BackwardGatherer {
   using Element = typename Traits::Element;
   static constexpr int kRowsPerThread = Traits::kBlockKeys / 16;
+  static_assert(Traits::kFlagWriters * kRowsPerThread == Traits::kBlockKeys, "one flag per slot");
 
   const SparseParams& p;
   const SparseTile& tile;
@@ -86,7 +87,8 @@ struct BackwardGatherer {
   }
 
   // Block `block`'s rows (their indices fetched) into buffer j, zeros for slots that select
-  // nothing, then k_ready[j].
+  // nothing, and the slots' flags; then k_ready[j]: the copies arrive as they land, the flags'
+  // writers once more (an arrive orders their stores before the consumers' wait).
   __forceinline__ __device__ void copy_block(int block, int j, const int32_t (&indices)[kRowsPerThread]) {
     const Element* k = static_cast<const Element*>(p.k) + chunk * 8;
     CUTE_UNROLL
@@ -99,8 +101,10 @@ struct BackwardGatherer {
       for (int c = 0; c < Traits::kTiles; ++c)
         copy_16b(at<Traits::kBlockKeys, Traits::kTiles>(smem.k[j].data(), row, c * 64 + chunk * 8), src + c * 64,
                  valid);
+      if (chunk == 0) smem.slot_valid[j][row] = valid;
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&smem.k_ready[j]));
+    if (chunk == 0) smem.k_ready[j].arrive();
   }
 
   __forceinline__ __device__ void run(int blocks) {
@@ -191,17 +195,34 @@ struct BackwardConsumer {
   __forceinline__ __device__ int row_of(int e) const { return tid / 32 * 16 + (e / 2) % 2 * 8 + tid % 32 / 4; }
   __forceinline__ __device__ int column_of(int e) const { return 8 * (e / 4) + 2 * (tid % 4) + e % 2; }
 
-  // Bit 2·(e / 4) + e % 2: whether the slot of this thread's column of block `block` selects a key.
-  __forceinline__ __device__ uint32_t load_valid(int block) const {
-    const int32_t* indices = p.indices + p.index_row(tile.b, tile.t, tile.kh);
+  // Bit 2·(e / 4) + e % 2: whether the slot of this thread's column of the block in buffer j
+  // selects a key, from the gatherer's flags (columns 8·i + 2·(tid % 4), and the next).
+  __forceinline__ __device__ uint32_t valid_slots(int j) const {
     uint32_t bits = 0;
     CUTE_UNROLL
-    for (int i = 0; i < Traits::kBlockKeys / 4; ++i) {
-      const int64_t slot = int64_t(block) * Traits::kBlockKeys + 8 * (i / 2) + 2 * (tid % 4) + i % 2;
-      const int32_t key = slot < p.topk ? __ldg(indices + slot) : -1;
-      bits |= uint32_t(slot < p.topk && sparse_index_valid(p, tile.t, key)) << i;
+    for (int i = 0; i < Traits::kBlockKeys / 8; ++i) {
+      const uint32_t pair = *reinterpret_cast<const uint16_t*>(&smem.slot_valid[j][8 * i + 2 * (tid % 4)]);
+      bits |= (pair & 1u) << (2 * i) | (pair >> 8 & 1u) << (2 * i + 1);
     }
     return bits;
+  }
+
+  // One of this thread's rows of P or scale·dS in the block (pairs[c]: columns 8·c + 2·(tid % 4)
+  // and the next) as one 16-byte store of columns 8·(tid % 4) to 8·(tid % 4) + 7, after a 4 x 4
+  // transpose across the quad; four times fewer stores than pair by pair.
+  __forceinline__ __device__ void store_row(Element* row, uint32_t (&pairs)[4]) const {
+    const int q = tid % 4;
+    CUTE_UNROLL
+    for (int c0 = 0; c0 < 2; ++c0) {  // the 2 x 2 blocks off the diagonal change places
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, q & 2 ? pairs[c0] : pairs[2 + c0], 2);
+      if (q & 2) pairs[c0] = got; else pairs[2 + c0] = got;
+    }
+    CUTE_UNROLL
+    for (int c1 = 0; c1 < 2; ++c1) {  // then each 2 x 2 block is transposed
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, q & 1 ? pairs[2 * c1] : pairs[2 * c1 + 1], 1);
+      if (q & 1) pairs[2 * c1] = got; else pairs[2 * c1 + 1] = got;
+    }
+    *reinterpret_cast<uint4*>(row + 8 * q) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 
   // Warpgroup 0: S, the exchange with warpgroup 1, P and scale·dS, dQ's first columns.
@@ -228,10 +249,11 @@ struct BackwardConsumer {
       wait_gathered(smem.k_ready[j], (block / 2) & 1);
       issue_scores<Traits::kTiles>(smem.q.data(), j);
       warpgroup_commit_batch();
-      const uint32_t valid = load_valid(block);
+      const uint32_t valid = valid_slots(j);
       warpgroup_wait<0>();
       warpgroup_fence_operand(s);  // no read of S moves above the wait
       bar_sync(kSparseBwdBarDpReady, kBackwardConsumerThreads);
+      uint32_t pairs[2][2][4];  // [P, scale·dS][row: + 0 or + 8][column group]
       CUTE_UNROLL
       for (int e = 0; e < size(s); e += 2) {
         float w[2][2];  // [P, scale·dS][the pair]
@@ -243,11 +265,15 @@ struct BackwardConsumer {
           w[0][i] = prob;
           w[1][i] = ok ? p.scale * prob * (smem.dp[e + i][tid] - d[r]) : 0.f;
         }
-        const int64_t at = int64_t(row_of(e)) * row_slots + int64_t(block) * Traits::kBlockKeys + column_of(e);
-        *reinterpret_cast<uint32_t*>(probs + at) = pack_pair<Element>(w[0][0], w[0][1]);
-        const uint32_t ds_pair = pack_pair<Element>(w[1][0], w[1][1]);
-        *reinterpret_cast<uint32_t*>(dscores + at) = ds_pair;
-        *reinterpret_cast<uint32_t*>(&sds(row_of(e), column_of(e))) = ds_pair;
+        pairs[0][(e / 2) % 2][e / 4] = pack_pair<Element>(w[0][0], w[0][1]);
+        pairs[1][(e / 2) % 2][e / 4] = pack_pair<Element>(w[1][0], w[1][1]);
+        *reinterpret_cast<uint32_t*>(&sds(row_of(e), column_of(e))) = pairs[1][(e / 2) % 2][e / 4];
+      }
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = int64_t(row_of(2 * h)) * row_slots + int64_t(block) * Traits::kBlockKeys;
+        store_row(probs + at, pairs[0][h]);
+        store_row(dscores + at, pairs[1][h]);
       }
       // dS's generic-proxy stores before wgmma reads them through the async proxy. Only warpgroup 1
       // waits at this meeting, as only warpgroup 0 waits at the dP one: each generation of an
@@ -261,17 +287,19 @@ struct BackwardConsumer {
     }
   }
 
-  // Warpgroup 1: dP into shared memory, dQ's last columns. The next block's dP is issued as soon as
-  // this one's is handed over, so that it runs while warpgroup 0 forms P and dS.
+  // Warpgroup 1: dP into shared memory, dQ's last columns. The next block's dP is issued right
+  // behind this block's dQ columns, so that it runs while warpgroup 0 computes the next S, and the
+  // block's buffer is released as soon as its dQ products are done (issued before the dP, which
+  // they would otherwise wait for: a warpgroup's MMAs complete in order).
   __forceinline__ __device__ void run_value_grads(int blocks) {
     wait_gathered(smem.q_ready, 0);
-    if (blocks > 0) {
-      wait_gathered(smem.k_ready[0], 0);
-      issue_scores<Traits::kVTiles>(smem.dout.data(), 0);
-      warpgroup_commit_batch();
-    }
     for (int block = 0; block < blocks; ++block) {
       const int j = block % 2;
+      if (block == 0) {  // later blocks' dP are issued at the end of the block before
+        wait_gathered(smem.k_ready[0], 0);
+        issue_scores<Traits::kVTiles>(smem.dout.data(), 0);
+        warpgroup_commit_batch();
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(s);
       // Warpgroup 0 read the previous block's dP before the last dS meeting, which this
@@ -279,19 +307,28 @@ struct BackwardConsumer {
       CUTE_UNROLL
       for (int e = 0; e < size(s); ++e) smem.dp[e][tid] = s(e);
       bar_arrive(kSparseBwdBarDpReady, kBackwardConsumerThreads);
-      if (block + 1 < blocks) {
-        wait_gathered(smem.k_ready[1 - j], ((block + 1) / 2) & 1);
-        issue_scores<Traits::kVTiles>(smem.dout.data(), 1 - j);
-        warpgroup_commit_batch();
-      }
       bar_sync(kSparseBwdBarDsReady, kBackwardConsumerThreads);
       issue_dq<Dq1Mma, Traits::kDq0Tiles, 4>(j, dq);
       issue_dq<DqTailMma, Traits::kTiles - 1, 1>(j, dq_tail);
       warpgroup_commit_batch();
-      // Also what lets warpgroup 0 overwrite dS: it waits for the next block's dP meeting first.
-      warpgroup_wait<0>();
+      if (block + 1 < blocks) {
+        wait_gathered(smem.k_ready[1 - j], ((block + 1) / 2) & 1);
+        issue_scores<Traits::kVTiles>(smem.dout.data(), 1 - j);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
+      }
+      // The dQ products are done: also what lets warpgroup 0 overwrite dS, as it waits for the
+      // next block's dP meeting first.
+      warpgroup_fence_operand(dq);
+      warpgroup_fence_operand(dq_tail);
       smem.k_free[j].arrive();
     }
+    // Stated for write_dq's reads (the last block waited already; ptxas cannot tell).
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(dq);
+    warpgroup_fence_operand(dq_tail);
   }
 
   // This warpgroup's columns of dQ (scale is in dS) for the CTA's 64 heads.
@@ -319,9 +356,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
   if (threadIdx.x == 0) {
-    smem.q_ready.init(128);
+    smem.q_ready.init(Traits::kGatherThreads);
     for (int j = 0; j < 2; ++j) {
-      smem.k_ready[j].init(128);                       // every gathering thread's cp.async arrival
+      smem.k_ready[j].init(Traits::kGatherThreads + Traits::kFlagWriters);  // copies landed, flags written
       smem.k_free[j].init(kBackwardConsumerThreads);  // both consumer warpgroups
     }
     cutlass::arch::fence_barrier_init();

@@ -7,7 +7,8 @@
 // Per block, warpgroup 0 computes S = Q·Kᵀ while warpgroup 1 computes dP = dO·Vᵀ and hands it over
 // in shared memory; warpgroup 0 forms P and scale·dS, writes both to the workspace and dS to shared
 // memory, where both warpgroups read it as the A operand of dQ += dS·K over their columns (0-255
-// and 256-575: the split that gives each the same work).
+// and 256-575: the split that gives each the same work). The gatherer leaves a flag per slot next
+// to the block's rows, so that the consumers wait on no global load per block.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,6 +28,9 @@ struct SparseBackwardTraits : MlaRows {
   static constexpr int kBlockKeys = 32;  // gathered rows per block
   static constexpr int kDq0Tiles = 4;          // warpgroup 0's dQ columns; warpgroup 1 takes the rest
   static constexpr int kThreads = 3 * 128;     // two consumer warpgroups and the gathering one
+  static constexpr int kGatherThreads = 128;
+  // Gathering threads that also write slot flags: the first of each row's eight copying threads.
+  static constexpr int kFlagWriters = 16;
   // Registers per thread after setmaxnreg: dQ's columns (128 or 160 floats) and a 64 x 32 tile of
   // logits or dP (16) in the consumers; row offsets and indices in the gatherer.
   static constexpr int kConsumerRegs = 224;
@@ -65,7 +69,9 @@ struct SparseBackwardTraits : MlaRows {
     array_aligned<Element, cosize_v<RowTiles<kBlockKeys, kTiles>>, 1024> k[2];
     array_aligned<Element, cosize_v<DsTile>, 1024> ds;
     float dp[16][128];  // warpgroup 1's dP in fragment order: [element][thread]
-    // mbarriers: Q and dO copied; per block buffer, gathered / released by both consumers.
+    uint8_t slot_valid[2][kBlockKeys];  // per block buffer: 1 where the slot selects a key
+    // mbarriers: Q and dO copied; per block buffer, gathered (the copies and the slot flags) /
+    // released by both consumers.
     cutlass::arch::ClusterBarrier q_ready;
     cutlass::arch::ClusterBarrier k_ready[2], k_free[2];
   };

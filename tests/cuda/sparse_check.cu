@@ -445,6 +445,8 @@ int main(int argc, char** argv) {
       // heads of 64 query heads each with a partial last pair.
       {1, 3, 100, 64, 1, 576, 512, 40, true, true, true, BF, 64},
       {2, 3, 200, 128, 2, 576, 512, 129, true, false, false, FP, 64},
+      // topk 20: a single block in both Hopper backward passes (one 32-slot, one partial 64-slot).
+      {1, 3, 100, 64, 1, 576, 512, 20, true, true, true, BF, 64},
       // The tensor-core backward's 64-head tiles (a group of 64 at H 128, V separate).
       {1, 4, 150, 64, 1, 128, 128, 90, false, true, true, BF, 64},
       // A group of 160: two head blocks (128 and 32) in the backward's dK/dV pass.
