@@ -416,6 +416,30 @@ void bench(int64_t T, int64_t S) {
   if (hopper_passes.first) bench_passes("Hopper first pass", {hopper_passes.first});
   if (hopper_passes.second) bench_passes("Hopper second pass", {nullptr, hopper_passes.second});
   if (hopper_passes.first && hopper_passes.second) bench_passes("Hopper both passes", hopper_passes);
+  // Each Hopper pass alone, chunk by chunk as backward() runs it, on what the runs above left in
+  // the workspace; FLOPs of its own products (S, dP and dQ; the two products summed per row).
+  auto bench_pass = [&](const char* name, double flops, auto&& launch) {
+    const double ms = time_ms(
+        [&](const SparseParams& p, cudaStream_t stream) {
+          for (int64_t first = 0; first < c.T * c.K; first += bench_items)
+            if (cudaError_t e = launch(p, first, std::min(bench_items, c.T * c.K - first), stream); e != cudaSuccess)
+              return e;
+          return cudaSuccess;
+        },
+        10);
+    printf("bench T %lld S %lld: backward %s alone %.3f ms (%.1f TFLOP/s)\n", (long long)T, (long long)S, name, ms,
+           flops / ms * 1e-9);
+  };
+  if (hopper_passes.first)
+    bench_pass("Hopper first pass", 2.0 * c.topk * (2 * c.H + c.Hv) * c.N * c.T,
+               [&](const SparseParams& p, int64_t first, int64_t count, cudaStream_t stream) {
+                 return hopper_passes.first(p, ws.softmax_d, ws.weights, first, count, stream);
+               });
+  if (hopper_passes.second)
+    bench_pass("Hopper second pass", 2.0 * c.topk * (c.H + c.Hv) * c.N * c.T,
+               [&](const SparseParams& p, int64_t first, int64_t count, cudaStream_t stream) {
+                 return hopper_passes.second(p, ws.weights, ws.dk_accum, first, count, stream);
+               });
 }
 
 }  // namespace
