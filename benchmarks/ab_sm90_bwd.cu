@@ -6,7 +6,13 @@
 //                                         launches (after 3 warm-up ones), median. MODE: plain
 //                                         (default; the kernels without masks), dropout (rate 0.1,
 //                                         the general path's dropout kernel; needs -DAB_DROPOUT) or
-//                                         det (deterministic=True: ordered dQ adds)
+//                                         det (deterministic=True: ordered dQ adds), or a bit-packed
+//                                         mask [1, 1, T, S] shared by every batch element and head on
+//                                         the cases without causality and GQA (the mask kernels):
+//                                         causal (the causal triangle as a mask), block50 (half of
+//                                         the 128 x 128 blocks, at random) or random50 (every
+//                                         element at random: every tile partial). AB_SMALL=1: one
+//                                         small case (T = S = 333) instead, for compute-sanitizer
 // Inputs: random Q, K, V, O and dO, LSE from a sm90-free estimate (log S + 8), so that P and dS stay
 // finite; the figures are for comparing trees, not for quoting against peers (bench_attention.py).
 #include <cuda_runtime.h>
@@ -15,10 +21,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "jfa/mask_packing.h"
 #include "sm90/bwd_launch.h"
 
 #ifndef AB_HDIM
@@ -94,7 +102,52 @@ constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096,
                            {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, true},
                            {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, false}, {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, true}};
 
-enum class Mode { kPlain, kDropout, kDeterministic };
+enum class Mode { kPlain, kDropout, kDeterministic, kMaskCausal, kMaskBlock50, kMaskRandom50 };
+constexpr const char* kModeNames[] = {"plain", "dropout", "det", "causal", "block50", "random50"};
+
+bool is_mask(Mode mode) { return mode >= Mode::kMaskCausal; }
+
+// The mask of a mask mode as jax_flashattn.pack_mask lays it out (jfa/packed_mask.h), [T, S], its
+// bits and tile summaries on the device; *bits_out, *tiles_out: the buffers to free.
+jfa::PackedMaskView packed_mask(Mode mode, int T, int S, uint32_t** bits_out, uint8_t** tiles_out) {
+  const int64_t words = jfa::mask_words(S), chunks = jfa::mask_chunks(S), row_blocks = jfa::mask_row_blocks(T);
+  std::vector<uint32_t> bits(size_t(T) * words, 0u);
+  const int blocks_per_row = (S + 127) / 128;
+  for (int i = 0; i < T; ++i)
+    for (int j = 0; j < S; ++j) {
+      bool visible;
+      uint32_t h = (uint32_t(i) * 0x9E3779B9u) ^ (uint32_t(j) * 0x85EBCA6Bu);
+      h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12;
+      if (mode == Mode::kMaskCausal) {
+        visible = j <= i;
+      } else if (mode == Mode::kMaskBlock50) {
+        uint32_t b = uint32_t(i / 128 * blocks_per_row + j / 128) * 0x9E3779B9u;
+        b ^= b >> 15; b *= 0x2C1B3C6Du; b ^= b >> 12;
+        visible = (b & 1u) != 0;
+      } else {
+        visible = (h & 1u) != 0;
+      }
+      const int x = j % jfa::kMaskChunkKeys;
+      if (visible)
+        bits[size_t(i) * words + (j / jfa::kMaskChunkKeys) * jfa::kMaskChunkWords + jfa::mask_word_of_key(x)] |=
+            1u << jfa::mask_bit_of_key(x);
+    }
+  std::vector<uint8_t> tiles(size_t(row_blocks) * chunks);
+  for (int64_t rb = 0; rb < row_blocks; ++rb)
+    for (int64_t c = 0; c < chunks; ++c)
+      tiles[rb * chunks + c] = uint8_t(jfa::summarize_mask_tile(bits.data(), T, S, rb, c));
+  CK(cudaMalloc(bits_out, bits.size() * 4));
+  CK(cudaMemcpy(*bits_out, bits.data(), bits.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(tiles_out, tiles.size()));
+  CK(cudaMemcpy(*tiles_out, tiles.data(), tiles.size(), cudaMemcpyHostToDevice));
+  jfa::PackedMaskView m;  // broadcast over batch and heads: strides 0
+  m.bits = *bits_out;
+  m.tiles = *tiles_out;
+  m.words = words;
+  m.chunks = chunks;
+  m.row_blocks = row_blocks;
+  return m;
+}
 
 void run_case(const Case& c, int rounds, Mode mode) {
   constexpr int H = AB_HDIM;
@@ -141,6 +194,9 @@ void run_case(const Case& c, int rounds, Mode mode) {
     p.mask.dropout_rate = 0.1f;
     p.mask.dropout_seeds = seeds;
   }
+  uint32_t* mask_bits = nullptr;
+  uint8_t* mask_tiles = nullptr;
+  if (is_mask(mode)) p.mask.packed_mask = packed_mask(mode, T, S, &mask_bits, &mask_tiles);
   CK(cudaMalloc(&stats, size_t(2) * B * c.N * p.dq_accum_rows() * 4));
   p.dq_accum = accum;
   p.softmax_d = stats;
@@ -158,6 +214,7 @@ void run_case(const Case& c, int rounds, Mode mode) {
     if (mode == Mode::kDropout)
       return launch_bwd<typename Config::Traits, false, jfa::sm90::kBwdDropoutPositionsSet>(p, stream);
 #endif
+    if (is_mask(mode)) return launch_bwd<typename Config::Traits, false, jfa::sm90::kBwdMaskSet>(p, stream);
     return c.causal ? launch_bwd<typename Config::Traits, true, 0>(p, stream)
                     : launch_bwd<typename PlainOf<Config>::type, false, 0>(p, stream);
 #endif
@@ -177,9 +234,8 @@ void run_case(const Case& c, int rounds, Mode mode) {
     ms.push_back(t);
   }
   std::sort(ms.begin(), ms.end());
-  const double flops = 2.5 * 4.0 * B * double(T) * S * c.N * H * (c.causal ? 0.5 : 1.0);
+  const double flops = 2.5 * 4.0 * B * double(T) * S * c.N * H * (c.causal || mode == Mode::kMaskCausal ? 0.5 : 1.0);
   const float median = ms[ms.size() / 2];
-  static const char* const kModeNames[] = {"plain", "dropout", "det"};
   std::printf("AB root=%s mode=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
               AB_ROOT, kModeNames[int(mode)], H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
   std::fflush(stdout);
@@ -190,6 +246,8 @@ void run_case(const Case& c, int rounds, Mode mode) {
   if (dkv != nullptr) CK(cudaFree(dkv));
   if (semaphores != nullptr) CK(cudaFree(semaphores));
   if (seeds != nullptr) CK(cudaFree(seeds));
+  if (mask_bits != nullptr) CK(cudaFree(mask_bits));
+  if (mask_tiles != nullptr) CK(cudaFree(mask_tiles));
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   CK(cudaStreamDestroy(stream));
@@ -201,14 +259,21 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 15;
   const int min_t = argc > 2 ? std::atoi(argv[2]) : 0;
   const std::string name = argc > 3 ? argv[3] : "plain";
-  const Mode mode = name == "dropout" ? Mode::kDropout : name == "det" ? Mode::kDeterministic : Mode::kPlain;
+  Mode mode = Mode::kPlain;
+  for (int m = 0; m < int(std::size(kModeNames)); ++m)
+    if (name == kModeNames[m]) mode = Mode(m);
 #ifndef AB_DROPOUT
   if (mode == Mode::kDropout) {
     std::printf("AB root=%s: built without -DAB_DROPOUT\n", AB_ROOT);
     return 0;
   }
 #endif
+  // AB_SMALL=1: one small case whose sizes are no multiple of a tile's, for compute-sanitizer.
+  if (std::getenv("AB_SMALL") != nullptr) {
+    run_case(Case{333, 2, 2, false}, rounds, mode);
+    return 0;
+  }
   for (const Case& c : kCases)
-    if (c.T >= min_t) run_case(c, rounds, mode);
+    if (c.T >= min_t && !(is_mask(mode) && (c.causal || c.N != c.K))) run_case(c, rounds, mode);
   return 0;
 }

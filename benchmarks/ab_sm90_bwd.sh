@@ -10,7 +10,9 @@
 #                                                  every binary in .ab/bin in turn, AB_PASSES times
 #                                                  (default 2), so that clock drift reaches each alike;
 #                                                  only the cases with T >= MIN_T. MODE: plain
-#                                                  (default), dropout or det (deterministic=True).
+#                                                  (default), dropout, det (deterministic=True), or
+#                                                  a bit-packed mask: causal, block50 or random50
+#                                                  (ab_sm90_bwd.cu's header).
 # AB_HDIM: the head dim compiled in (64, 128 or 256; default 128). AB_BIN: the binaries' folder
 # (default .ab/bin). AB_NVCC_FLAGS: more nvcc flags,
 # e.g. -DAB_LAUNCH_WITHOUT_POLICIES for trees whose launch_bwd takes no policy set, -UAB_DROPOUT for

@@ -97,14 +97,21 @@ __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, i
 
 // Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
 // mask, or segment ids that may differ inside it).
+// mask_full: whether the mask's summaries prove the tile full, where the walk read them ahead
+// (BwdStep::mask_full; -1: look them up here).
 template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int head,
-                                                    int m_block) {
+                                                    int m_block, int mask_full) {
   const int query0 = m_block * kBlockM;
   // The mask's summaries only in the kernels that read a mask (the call's policy set has one
   // whenever a mask is present): the test's code otherwise costs the others registers.
   if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
-    if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) return true;
+    if (mask_full >= 0) {
+      if (mask_full == 0 || position_tile_kind(p, b.bounds, query0, kBlockM, b.key0, kBlockN) != TileKind::kFull)
+        return true;
+    } else if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) {
+      return true;
+    }
   } else if (position_tile_kind(p, b.bounds, query0, kBlockM, b.key0, kBlockN) != TileKind::kFull) {
     return true;
   }
@@ -349,7 +356,7 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
                                          AS const& a_s, BS const& b_s, ADP const& a_dp, BDP const& b_dp, Acc& tSrS,
                                          Acc& tdPrdP, Coords const& coords, const float* lse_log2, const float* d,
                                          const AttentionParams& p, const BwdGeneralBlock& block, int head, int m_block,
-                                         const Keep& keep, float (&slope_sums)[8]) {
+                                         int mask_full, const Keep& keep, float (&slope_sums)[8]) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   const int query0 = m_block * kBlockM;
   if constexpr (kPolicies == 0) {
@@ -362,7 +369,7 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
         },
         [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
   } else {
-    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, head, m_block);
+    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, head, m_block, mask_full);
     const MaskParams& m = p.mask;
     constexpr bool kSoftcap = (kPolicies & kPolicySoftcap) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
     constexpr bool kBias = (kPolicies & kPolicyBias) != 0;

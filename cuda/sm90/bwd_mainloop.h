@@ -105,14 +105,15 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
   decltype(keep_bits_of(0)) keep{};
   if constexpr (kDropout) keep = keep_bits_of(walk.first);
 
-  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, int next, const PipelineState& read)
+  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, auto&& next_step, const PipelineState& read)
                                                        CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // Pᵀ after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // dSᵀ after this
     bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/true>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrK, tSrQ(_, _, _, stage), tdPrV, tdPrdO(_, _, _, stage), tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[k & 1]);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, st.mask_full, keep,
+        ss.slope_sums[k & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -136,7 +137,7 @@ __forceinline__ __device__ void bwd_mainloop(const BwdParams<Traits>& p, BwdShar
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage), tdKrdK);  // dQ has finished
     bwd_stage_dq(tdQrdQ, ss.step.dq[w], w, wg_tid, k == 0);
     if constexpr (kDropout)
-      if (next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
+      if (const int next = next_step(); next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

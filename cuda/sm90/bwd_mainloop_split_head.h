@@ -73,14 +73,15 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
   decltype(keep_bits_of(0)) keep{};
   if constexpr (kDropout) keep = keep_bits_of(walk.first);
 
-  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, int next, const PipelineState& read)
+  bwd_for_each_step<Traits, kPolicies>(p, ss, walk, [&](int k, const BwdStep& st, auto&& next_step, const PipelineState& read)
                                                        CUTLASS_LAMBDA_FUNC_INLINE {
     const int stage = read.index();
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // P after this
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // dS after this
     bwd_step<Traits, kCausal, kPolicies, /*kQueriesInColumns=*/false>(
         mma_sdp, pipeline_q, pipeline_do, read, tSrQ(_, _, _, stage), tSrK, tdPrdO(_, _, _, stage), tdPrV, tSrS,
-        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, keep, ss.slope_sums[k & 1]);
+        tdPrdP, cS_rc, ss.lse_log2[stage], ss.d[stage], p.attn, block, st.head, st.m_block, st.mask_full, keep,
+        ss.slope_sums[k & 1]);
 
     Tensor rP = make_tensor<Element>(tSrS.layout());
     Tensor rdS = make_tensor<Element>(tdPrdP.layout());
@@ -118,7 +119,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
       if (tid == 0) bwd_dq_end_turn(semaphore);
     }
     if constexpr (kDropout)
-      if (next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
+      if (const int next = next_step(); next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
     warpgroup_wait<0>();
     pipeline_q.consumer_release(read);
   });

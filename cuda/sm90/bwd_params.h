@@ -71,6 +71,9 @@ __forceinline__ __device__ int2 bwd_m_block_range(const BwdParams<Traits>& p, in
 struct BwdStep {
   int head;  // the query head
   int m_block;
+  // Whether the mask's summaries prove the step's tile full (1) or not (0), where the walk read
+  // them ahead (bwd_for_each_step); -1: not read, bwd_step looks them up itself.
+  int mask_full = -1;
 };
 
 struct BwdWalk {
@@ -113,22 +116,59 @@ __forceinline__ __device__ bool bwd_skips_empty_steps(const BwdParams<Traits>& p
   return (kPolicies & kPolicyBoolMask) != 0 && p.attn.mask.packed_mask.present() && !p.attn.deterministic;
 }
 
-// Whether no query of step st (kBlockM rows of one head) sees a key of the CTA's key block, by the
-// summaries. Everything but the step is read from the parameters, which cost no registers.
+// The summaries of step st's row blocks (kBlockM rows of one head) in the CTA's key column, as
+// loaded: a step is empty when every one is (MaskTileKind::kEmpty is 0; rows past T read as empty).
+// Kept apart and tested later (seen()), so that a caller can load them early and wait for them only
+// where it tests them. Everything but the step is read from the parameters, which cost no registers.
+template <int kRowBlocks>
+struct BwdStepSummaries {
+  uint32_t kinds[kRowBlocks];
+
+  __forceinline__ __device__ bool seen() const {
+    uint32_t any = 0;
+    CUTE_UNROLL
+    for (int i = 0; i < kRowBlocks; ++i) any |= kinds[i];
+    return any != 0;
+  }
+  // Whether every row block of the step inside T is full (the tile needs no per-element test).
+  __forceinline__ __device__ bool full(int m_block, int64_t row_blocks) const {
+    bool all = true;
+    CUTE_UNROLL
+    for (int i = 0; i < kRowBlocks; ++i)
+      all = all && (m_block * kRowBlocks + i >= row_blocks || kinds[i] == uint32_t(MaskTileKind::kFull));
+    return all;
+  }
+  // Lane `from`'s summaries, on every lane.
+  __forceinline__ __device__ BwdStepSummaries from_lane(int from) const {
+    BwdStepSummaries s;
+    CUTE_UNROLL
+    for (int i = 0; i < kRowBlocks; ++i) s.kinds[i] = __shfl_sync(0xffffffffu, kinds[i], from);
+    return s;
+  }
+};
+
 template <typename Traits>
-__forceinline__ __device__ bool bwd_step_empty(const BwdParams<Traits>& p, const BwdWalk& walk, const BwdStep& st) {
+__forceinline__ __device__ BwdStepSummaries<Traits::kBlockM / kMaskTileRows> bwd_step_summaries(
+    const BwdParams<Traits>& p, const BwdWalk& walk, const BwdStep& st) {
   constexpr int kRowBlocks = Traits::kBlockM / kMaskTileRows;
   static_assert(Traits::kBlockM % kMaskTileRows == 0);
   static_assert(kMaskChunkKeys % Traits::kBlockN == 0, "a key block lies in one chunk of summaries");
+  static_assert(uint8_t(MaskTileKind::kEmpty) == 0);
   const PackedMaskView& m = p.attn.mask.packed_mask;
   const int rb0 = st.m_block * kRowBlocks;
   const uint8_t* column = m.tiles + walk.batch * m.tiles_batch_stride + st.head * m.tiles_head_stride +
                           rb0 * m.chunks + walk.n_block * Traits::kBlockN / kMaskChunkKeys;
+  BwdStepSummaries<kRowBlocks> summaries;
   CUTE_UNROLL
   for (int i = 0; i < kRowBlocks; ++i)
-    if ((kRowBlocks == 1 || rb0 + i < m.row_blocks) && column[i * m.chunks] != uint8_t(MaskTileKind::kEmpty))
-      return false;
-  return true;
+    summaries.kinds[i] = kRowBlocks == 1 || rb0 + i < m.row_blocks ? column[i * m.chunks] : 0u;
+  return summaries;
+}
+
+// Whether no query of step st sees a key of the CTA's key block, by the summaries.
+template <typename Traits>
+__forceinline__ __device__ bool bwd_step_empty(const BwdParams<Traits>& p, const BwdWalk& walk, const BwdStep& st) {
+  return !bwd_step_summaries(p, walk, st).seen();
 }
 
 // The step walked after step s (walk.num_steps: none). The producer, the dQ writer and the MMA
@@ -179,8 +219,14 @@ __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Or
   return walk;
 }
 
-// Waits for the CTA's K and V, then runs body(k, the step, the next step's index, the Q/dO ring's
-// read state) for every step of the walk (the k-th walked), advancing the ring after each.
+// Waits for the CTA's K and V, then runs body(k, the step, next_step, the Q/dO ring's read state)
+// for every step of the walk (the k-th walked), advancing the ring after each; next_step() is the
+// index of the step walked after it. With a mask's summaries to skip by, each lane loads the
+// summary of one of the 32 steps that follow before the body, and a ballot after it (or where the
+// body first asks) picks the first with a visible key, whose summary also tells the next step
+// whether its tile is full (BwdStep::mask_full): the MMA warpgroups do not wait for an L2 read at
+// the top of a step. (A load whose address is the same on every lane goes to a uniform register
+// at once, which waits for the data right there.)
 template <typename Traits, int kPolicies, typename Storage, typename Body>
 __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, Storage& ss, const BwdWalk& walk,
                                                   Body&& body) {
@@ -190,14 +236,37 @@ __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, St
   // but holds two more registers across it, which the dropout kernels, short of registers, pay for
   // more than the division (docs/performance.md): they recompute the step.
   constexpr bool kCarryStep = (kPolicies & kPolicyDropout) == 0;
+  constexpr bool kMaskWalk = (kPolicies & kPolicyBoolMask) != 0;
+  const bool skips = bwd_skips_empty_steps<Traits, kPolicies>(p);
+  const int lane = int(threadIdx.x % 32);
   BwdStep st = walk.step(walk.first, p.heads);
+  BwdStepSummaries<kMaskWalk ? Traits::kBlockM / kMaskTileRows : 1> current{};  // the step's own, when skipping
+  if constexpr (kMaskWalk)
+    if (skips && walk.first < walk.num_steps) current = bwd_step_summaries(p, walk, st);
 #pragma unroll 1
   for (int s = walk.first, k = 0; s < walk.num_steps; ++k) {
-    const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
     if constexpr (!kCarryStep) st = walk.step(s, p.heads);
-    body(k, st, next, read);
+    st.mask_full = skips ? int(current.full(st.m_block, p.attn.mask.packed_mask.row_blocks)) : -1;
+    const int ahead_step = s + 1 + lane;
+    decltype(current) ahead{};
+    if constexpr (kMaskWalk)
+      if (skips && ahead_step < walk.num_steps) ahead = bwd_step_summaries(p, walk, walk.step(ahead_step, p.heads));
+    int next = -1, next_lane = -1;  // next_lane: the lane whose look-ahead is the next step
+    auto next_step = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      if (next < 0) {
+        const unsigned seen = skips ? __ballot_sync(0xffffffffu, ahead.seen()) : 1u;
+        next_lane = __ffs(seen) - 1;
+        next = seen != 0 ? s + 1 + next_lane : min(bwd_next_step<Traits, kPolicies>(p, walk, s + 32), walk.num_steps);
+      }
+      return next;
+    };
+    body(k, st, next_step, read);
     ++read;
+    next_step();
     if constexpr (kCarryStep) st = next == s + 1 ? walk.after(st, p.heads) : walk.step(next, p.heads);
+    if constexpr (kMaskWalk)
+      if (skips && next < walk.num_steps)
+        current = next_lane >= 0 ? ahead.from_lane(next_lane) : bwd_step_summaries(p, walk, walk.step(next, p.heads));
     s = next;
   }
 }
