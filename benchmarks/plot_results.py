@@ -1,5 +1,5 @@
 """Draw TFLOP/s against sequence length from a benchmarks/results CSV (a bench_decode.py CSV: K/V
-bytes per second, grouped bars per row).
+bytes per second, grouped bars per row; a bench_masks.py CSV: milliseconds, grouped bars per mask).
 
     python benchmarks/plot_results.py benchmarks/results/2026-11-21-nvidia-h100-80gb-hbm3.csv
     python benchmarks/plot_results.py RESULTS.csv --anchors /work/shared/anchors/2026-11-21-h200.csv
@@ -61,8 +61,11 @@ def plot_csv(csv_path, png_path=None, anchors_path=None) -> Path:
     import matplotlib.pyplot as plt
 
     with open(csv_path, newline="") as f:
-        if "kv_gb_per_s" in next(csv.reader(f), []):
-            return plot_decode_csv(csv_path, png_path)
+        header = next(csv.reader(f), [])
+    if "kv_gb_per_s" in header:
+        return plot_decode_csv(csv_path, png_path)
+    if "mask" in header and "speed_vs_reference" in header:
+        return plot_masks_csv(csv_path, png_path)
     rows = read_rows(csv_path)
     if not rows:
         raise ValueError(f"{csv_path} has no rows")
@@ -133,6 +136,38 @@ def plot_decode_csv(csv_path, png_path=None) -> Path:
     ax.set_title(f"{first['device']}: decoding, N {first['heads']}, K {first['kv_heads']}, H {first['hdim']}, bf16")
     ax.set_ylim(0, 1.3 * max(rate.values()))  # room for the legend above the bars
     ax.legend(fontsize=8, ncol=3, loc="upper left")
+    fig.tight_layout()
+    png_path = Path(png_path) if png_path else Path(csv_path).with_suffix(".png")
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def plot_masks_csv(csv_path, png_path=None) -> Path:
+    """A bench_masks.py CSV: milliseconds, one subplot per (head dim, pass), one group of bars per
+    mask and one bar per impl, in the CSV's order."""
+    import matplotlib.pyplot as plt
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    panels = list(dict.fromkeys((r["H"], r["passes"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / len(impls)
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(5.2 * len(panels), 4.0))
+    for ax, (hdim, passes) in zip(axes[0], panels):
+        in_panel = [r for r in rows if (r["H"], r["passes"]) == (hdim, passes)]
+        masks = list(dict.fromkeys(r["mask"] for r in in_panel))
+        ms = {(r["mask"], r["impl"]): float(r["ms"]) for r in in_panel}
+        for i, impl in enumerate(impls):
+            xs = [m + (i - (len(impls) - 1) / 2) * width for m in range(len(masks))]
+            ax.bar(xs, [ms.get((mask, impl), 0.0) for mask in masks], width, label=impl,
+                   color=IMPL_COLORS.get(impl))
+        ax.set_xticks(range(len(masks)))
+        ax.set_xticklabels(masks, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("ms")
+        ax.set_title(f"{passes}, H {hdim}, T = S = {in_panel[0]['T']}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['device']}: masks given as tensors (bench_masks.py), bf16")
     fig.tight_layout()
     png_path = Path(png_path) if png_path else Path(csv_path).with_suffix(".png")
     fig.savefig(png_path, dpi=110)

@@ -369,7 +369,10 @@ from test_packed_mask import (CASES as PACKED_CASES, case_mask, numpy_bits, nump
                               tile_pattern_mask)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 130, 300), (1, 2, 200, 1000), (1, 1, 64, 256)],
+# Rows of 300 and 1000 keys are read byte by byte, rows of 256, 1040 and 4096 keys (multiples of 16)
+# in 16-byte pieces, 1040's last chunk cut short.
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 130, 300), (1, 2, 200, 1000), (1, 1, 64, 256),
+                                   (1, 2, 130, 1040), (2, 1, 70, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_pack_mask_kernel_on_gpu(shape):
     seed = fresh_seed()

@@ -1,0 +1,198 @@
+// jax_flashattn.pack_mask's CUDA kernel (cuda/packed_mask/pack_mask.cu) checked from C++, without
+// JAX: its bits and tile summaries against the host packer's steps (jfa/mask_packing.h), bit for bit,
+// on odd sizes, broadcast row and key axes, rows that are not 16-byte aligned and masks holding bytes
+// other than 0 and 1; nothing may be written past either output. `--bench` also times the kernel.
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Icuda/include -Icuda tests/cuda/pack_mask_check.cu \
+//        cuda/packed_mask/pack_mask.cu -o /tmp/pack_mask_check
+//   /tmp/pack_mask_check [--bench] [seed]
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "packed_mask/pack_mask.h"
+
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+namespace {
+
+using jfa::BooleanMask;
+
+// What the mask holds: random elements (some as bytes 7, not 1), the causal triangle, tiles that
+// are empty, full or random in turn (every summary kind), or everything.
+enum class Pattern { kRandom, kCausal, kTiles, kAll };
+
+struct Case {
+  int64_t slices, T, S;
+  bool rows_broadcast, keys_broadcast;  // a [.., 1, S] or [.., T, 1] mask (stride 0)
+  int offset;                           // bytes before the mask in its buffer: 16-byte aligned or not
+  Pattern pattern;
+};
+
+uint8_t element(Pattern pattern, int64_t slice, int64_t i, int64_t j, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  const int64_t tile = i / jfa::kMaskTileRows + j / jfa::kMaskChunkKeys;
+  switch (pattern) {
+    case Pattern::kRandom: return u(rng) < 0.5f ? (j % 3 == 0 ? 7 : 1) : 0;
+    case Pattern::kCausal: return j <= i;
+    case Pattern::kTiles: return (tile + slice) % 3 == 0 ? 1 : (tile + slice) % 3 == 1 ? 0 : u(rng) < 0.5f;
+    case Pattern::kAll: return 1;
+  }
+  return 0;
+}
+
+// The host packer's bits and summaries of `m` (jfa/mask_packing.h, as cuda/cpu/pack_mask.cc).
+void pack_on_host(const BooleanMask& m, std::vector<uint32_t>& bits, std::vector<uint8_t>& tiles) {
+  const int64_t words = jfa::mask_words(m.S), row_blocks = jfa::mask_row_blocks(m.T), chunks = jfa::mask_chunks(m.S);
+  bits.assign(m.slices * m.T * words, 0u);
+  tiles.assign(m.slices * row_blocks * chunks, 0);
+  for (int64_t s = 0; s < m.slices; ++s) {
+    uint32_t* slice_bits = bits.data() + s * m.T * words;
+    for (int64_t i = 0; i < m.T; ++i)
+      for (int64_t k = 0; k < words; ++k)
+        slice_bits[i * words + k] =
+            jfa::pack_mask_word(m, s, i, k / jfa::kMaskChunkWords, int(k % jfa::kMaskChunkWords));
+    for (int64_t rb = 0; rb < row_blocks; ++rb)
+      for (int64_t c = 0; c < chunks; ++c)
+        tiles[(s * row_blocks + rb) * chunks + c] = uint8_t(jfa::summarize_mask_tile(slice_bits, m.T, m.S, rb, c));
+  }
+}
+
+// Packs the case's mask on the GPU and compares; returns the number of mismatches.
+int check(const Case& c, std::mt19937& rng) {
+  const int64_t mask_rows = c.rows_broadcast ? 1 : c.T, mask_keys = c.keys_broadcast ? 1 : c.S;
+  std::vector<uint8_t> host(c.offset + c.slices * mask_rows * mask_keys);
+  for (int64_t s = 0; s < c.slices; ++s)
+    for (int64_t i = 0; i < mask_rows; ++i)
+      for (int64_t j = 0; j < mask_keys; ++j)
+        host[c.offset + (s * mask_rows + i) * mask_keys + j] = element(c.pattern, s, i, j, rng);
+  BooleanMask m;
+  m.slices = c.slices;
+  m.T = c.T;
+  m.S = c.S;
+  m.slice_stride = mask_rows * mask_keys;
+  m.row_stride = c.rows_broadcast ? 0 : mask_keys;
+  m.key_stride = c.keys_broadcast ? 0 : 1;
+  m.data = host.data() + c.offset;
+  std::vector<uint32_t> want_bits;
+  std::vector<uint8_t> want_tiles;
+  pack_on_host(m, want_bits, want_tiles);
+
+  // One guard element past each output, which the kernel must leave alone.
+  uint8_t* device_mask;
+  uint32_t* bits;
+  uint8_t* tiles;
+  const size_t nb = want_bits.size(), nt = want_tiles.size();
+  CK(cudaMalloc(&device_mask, host.size()));
+  CK(cudaMemcpy(device_mask, host.data(), host.size(), cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&bits, (nb + 1) * 4));
+  CK(cudaMalloc(&tiles, nt + 1));
+  CK(cudaMemset(bits, 0xAB, (nb + 1) * 4));
+  CK(cudaMemset(tiles, 0xCD, nt + 1));
+  m.data = device_mask + c.offset;
+  CK(jfa::gpu::pack_mask(m, bits, tiles, 0));
+  CK(cudaDeviceSynchronize());
+  std::vector<uint32_t> got_bits(nb + 1);
+  std::vector<uint8_t> got_tiles(nt + 1);
+  CK(cudaMemcpy(got_bits.data(), bits, (nb + 1) * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(got_tiles.data(), tiles, nt + 1, cudaMemcpyDeviceToHost));
+  CK(cudaFree(device_mask));
+  CK(cudaFree(bits));
+  CK(cudaFree(tiles));
+
+  int bad = 0;
+  for (size_t k = 0; k < nb; ++k)
+    if (got_bits[k] != want_bits[k] && bad++ < 5)
+      std::printf("  word %zu: %08x, the host packer's %08x\n", k, got_bits[k], want_bits[k]);
+  for (size_t t = 0; t < nt; ++t)
+    if (got_tiles[t] != want_tiles[t] && bad++ < 10)
+      std::printf("  summary %zu: %d, the host packer's %d\n", t, got_tiles[t], want_tiles[t]);
+  if (got_bits[nb] != 0xABABABABu || got_tiles[nt] != 0xCD) {
+    std::printf("  wrote past the end\n");
+    ++bad;
+  }
+  std::printf("%s slices %lld T %lld S %lld rows broadcast %d keys broadcast %d offset %d pattern %d\n",
+              bad ? "FAIL" : "ok  ", (long long)c.slices, (long long)c.T, (long long)c.S, c.rows_broadcast,
+              c.keys_broadcast, c.offset, int(c.pattern));
+  return bad;
+}
+
+// Three rounds, each the mean of 20 back-to-back launches after 3 untimed ones.
+void bench(int64_t slices, int64_t T, int64_t S) {
+  BooleanMask m;
+  m.slices = slices;
+  m.T = T;
+  m.S = S;
+  m.slice_stride = T * S;
+  m.row_stride = S;
+  m.key_stride = 1;
+  uint8_t* device_mask;
+  uint32_t* bits;
+  uint8_t* tiles;
+  CK(cudaMalloc(&device_mask, slices * T * S));
+  CK(cudaMemset(device_mask, 1, slices * T * S));
+  CK(cudaMalloc(&bits, slices * T * jfa::mask_words(S) * 4));
+  CK(cudaMalloc(&tiles, slices * jfa::mask_row_blocks(T) * jfa::mask_chunks(S)));
+  m.data = device_mask;
+  cudaEvent_t start, stop;
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
+  for (int round = 0; round < 3; ++round) {
+    constexpr int kLaunches = 20;
+    for (int i = 0; i < 3; ++i) CK(jfa::gpu::pack_mask(m, bits, tiles, 0));
+    CK(cudaEventRecord(start));
+    for (int i = 0; i < kLaunches; ++i) CK(jfa::gpu::pack_mask(m, bits, tiles, 0));
+    CK(cudaEventRecord(stop));
+    CK(cudaEventSynchronize(stop));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, start, stop));
+    ms /= kLaunches;
+    std::printf("bench slices %lld T %lld S %lld round %d %.4f ms (%.0f GB/s of mask read)\n", (long long)slices,
+                (long long)T, (long long)S, round, ms, double(slices * T * S) / 1e9 / (ms * 1e-3));
+  }
+  CK(cudaEventDestroy(start));
+  CK(cudaEventDestroy(stop));
+  CK(cudaFree(device_mask));
+  CK(cudaFree(bits));
+  CK(cudaFree(tiles));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool bench_too = argc > 1 && std::string(argv[1]) == "--bench";
+  const int seed_at = bench_too ? 2 : 1;
+  const unsigned seed = argc > seed_at ? unsigned(std::strtoul(argv[seed_at], nullptr, 10)) : std::random_device{}();
+  std::printf("seed: %u\n", seed);
+  std::mt19937 rng(seed);
+  using P = Pattern;
+  const Case cases[] = {
+      {1, 1, 1, false, false, 0, P::kRandom},       {1, 3, 127, false, false, 0, P::kRandom},
+      {1, 64, 128, false, false, 0, P::kRandom},    {1, 65, 129, false, false, 0, P::kRandom},
+      {6, 70, 300, false, false, 0, P::kRandom},    {2, 130, 1040, false, false, 0, P::kRandom},
+      {3, 200, 640, false, false, 0, P::kTiles},    {1, 257, 1024, false, false, 0, P::kCausal},
+      {2, 129, 512, false, false, 0, P::kAll},      {2, 100, 1040, true, false, 0, P::kRandom},
+      {2, 100, 700, false, true, 0, P::kRandom},    {1, 64, 1024, false, false, 1, P::kRandom},
+      {1, 64, 1024, false, false, 8, P::kRandom},   {5, 1, 5, false, false, 0, P::kRandom},
+      {1, 1000, 2000, false, false, 0, P::kTiles},  {2, 64, 16, false, false, 0, P::kRandom},
+      {1, 77, 4112, false, false, 0, P::kRandom},   {1, 130, 384, true, false, 16, P::kCausal},
+  };
+  int failures = 0;
+  for (const Case& c : cases) failures += check(c, rng) != 0;
+  std::printf("%d failures\n", failures);
+  if (bench_too) {
+    bench(1, 2048, 2048);
+    bench(8, 2048, 2048);  // the Flax training step's [B, 1, T, T] mask
+    bench(4, 4096, 4096);
+    bench(1, 16384, 16384);
+  }
+  return failures != 0;
+}
