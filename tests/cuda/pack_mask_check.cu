@@ -11,16 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "check_util.h"  // CK
 #include "packed_mask/pack_mask.h"
-
-#define CK(x)                                                                     \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
-      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
 
 namespace {
 
