@@ -96,9 +96,8 @@ __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, i
 }
 
 // Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
-// mask, or segment ids that may differ inside it).
-// mask_full: whether the mask's summaries prove the tile full, where the walk read them ahead
-// (BwdStep::mask_full; -1: look them up here).
+// mask, or segment ids that may differ inside it). mask_full: whether the mask's summaries prove
+// the tile full, where the walk read them ahead (BwdStep::mask_full); -1: they are looked up here.
 template <int kBlockM, int kBlockN, int kPolicies>
 __forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int head,
                                                     int m_block, int mask_full) {
