@@ -1,9 +1,9 @@
 // jax_flashattn.pack_mask's CUDA kernel (cuda/packed_mask/pack_mask.cu) checked from C++, without
-// JAX: its bits and tile summaries against the host packer's steps (jfa/mask_packing.h), bit for bit,
+// JAX: its bits and tile summaries against the CPU packer's (cuda/cpu/pack_mask.cc), bit for bit,
 // on odd sizes, broadcast row and key axes, rows that are not 16-byte aligned and masks holding bytes
 // other than 0 and 1; nothing may be written past either output. `--bench` also times the kernel.
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Icuda/include -Icuda tests/cuda/pack_mask_check.cu \
-//        cuda/packed_mask/pack_mask.cu -o /tmp/pack_mask_check
+//        cuda/packed_mask/pack_mask.cu cuda/cpu/pack_mask.cc cuda/cpu/parallel_for.cc -o /tmp/pack_mask_check
 //   /tmp/pack_mask_check [--bench] [seed]
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check_util.h"  // CK
+#include "cpu/pack_mask.h"
 #include "packed_mask/pack_mask.h"
 
 namespace {
@@ -41,23 +42,6 @@ uint8_t element(Pattern pattern, int64_t slice, int64_t i, int64_t j, std::mt199
   return 0;
 }
 
-// The host packer's bits and summaries of `m` (jfa/mask_packing.h, as cuda/cpu/pack_mask.cc).
-void pack_on_host(const BooleanMask& m, std::vector<uint32_t>& bits, std::vector<uint8_t>& tiles) {
-  const int64_t words = jfa::mask_words(m.S), row_blocks = jfa::mask_row_blocks(m.T), chunks = jfa::mask_chunks(m.S);
-  bits.assign(m.slices * m.T * words, 0u);
-  tiles.assign(m.slices * row_blocks * chunks, 0);
-  for (int64_t s = 0; s < m.slices; ++s) {
-    uint32_t* slice_bits = bits.data() + s * m.T * words;
-    for (int64_t i = 0; i < m.T; ++i)
-      for (int64_t k = 0; k < words; ++k)
-        slice_bits[i * words + k] =
-            jfa::pack_mask_word(m, s, i, k / jfa::kMaskChunkWords, int(k % jfa::kMaskChunkWords));
-    for (int64_t rb = 0; rb < row_blocks; ++rb)
-      for (int64_t c = 0; c < chunks; ++c)
-        tiles[(s * row_blocks + rb) * chunks + c] = uint8_t(jfa::summarize_mask_tile(slice_bits, m.T, m.S, rb, c));
-  }
-}
-
 // Packs the case's mask on the GPU and compares; returns the number of mismatches.
 int check(const Case& c, std::mt19937& rng) {
   const int64_t mask_rows = c.rows_broadcast ? 1 : c.T, mask_keys = c.keys_broadcast ? 1 : c.S;
@@ -74,9 +58,9 @@ int check(const Case& c, std::mt19937& rng) {
   m.row_stride = c.rows_broadcast ? 0 : mask_keys;
   m.key_stride = c.keys_broadcast ? 0 : 1;
   m.data = host.data() + c.offset;
-  std::vector<uint32_t> want_bits;
-  std::vector<uint8_t> want_tiles;
-  pack_on_host(m, want_bits, want_tiles);
+  std::vector<uint32_t> want_bits(m.slices * m.T * jfa::mask_words(m.S));
+  std::vector<uint8_t> want_tiles(m.slices * jfa::mask_row_blocks(m.T) * jfa::mask_chunks(m.S));
+  jfa::cpu::pack_mask(m, want_bits.data(), want_tiles.data());
 
   // One guard element past each output, which the kernel must leave alone.
   uint8_t* device_mask;
