@@ -198,13 +198,7 @@ struct BackwardConsumer {
   // Bit 2·(e / 4) + e % 2: whether the slot of this thread's column of the block in buffer j
   // selects a key, from the gatherer's flags (columns 8·i + 2·(tid % 4), and the next).
   __forceinline__ __device__ uint32_t valid_slots(int j) const {
-    uint32_t bits = 0;
-    CUTE_UNROLL
-    for (int i = 0; i < Traits::kBlockKeys / 8; ++i) {
-      const uint32_t pair = *reinterpret_cast<const uint16_t*>(&smem.slot_valid[j][8 * i + 2 * (tid % 4)]);
-      bits |= (pair & 1u) << (2 * i) | (pair >> 8 & 1u) << (2 * i + 1);
-    }
-    return bits;
+    return valid_slot_bits<Traits::kBlockKeys>(smem.slot_valid[j], tid);
   }
 
   // One of this thread's rows of P or scale·dS in the block (pairs[c]: columns 8·c + 2·(tid % 4)

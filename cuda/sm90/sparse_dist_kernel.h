@@ -26,7 +26,7 @@ template <typename Traits>
 struct DistConsumer : BlockLogits<Traits> {
   using Base = BlockLogits<Traits>;
   using Base::p, Base::tile, Base::smem, Base::wg, Base::tid, Base::s;
-  using Base::load_valid, Base::scale_and_mask, Base::fragment_column, Base::fragment_row;
+  using Base::valid_slots, Base::scale_and_mask, Base::fragment_column, Base::fragment_row;
 
   // This thread's two rows' LSE in log2 units; +inf for a row that saw no key, so that its
   // probabilities exp2(S − lse) are 0.
@@ -76,7 +76,7 @@ struct DistConsumer : BlockLogits<Traits> {
       wait_gathered(smem.k_ready[j][1], phase);
       this->template issue_qk<4, Traits::kTiles>(j, false);
       warpgroup_commit_batch();
-      const uint32_t valid = load_valid(block);
+      const uint32_t valid = valid_slots(j);
       warpgroup_wait<0>();
       smem.k_free[j][0].arrive();
       smem.k_free[j][1].arrive();

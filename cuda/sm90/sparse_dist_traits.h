@@ -25,6 +25,7 @@ struct SparseDistTraits : SparseForwardTraits<Element_> {
     // Per consumer warpgroup, two buffers (alternate pairs, so one meeting per block suffices):
     // each warp's sums of P over its 16 rows, per slot of the block.
     float column_sums[2][2][4][Base::kBlockKeys];
+    uint8_t slot_valid[2][Base::kBlockKeys];  // per block buffer: 1 where the slot selects a key
     cutlass::arch::ClusterBarrier q_ready;
     cutlass::arch::ClusterBarrier k_ready[2][2], k_free[2][2];
   };

@@ -47,7 +47,7 @@ struct Consumer : BlockLogits<Traits> {
   template <int n>
   using ColumnTiles = typename Traits::template ColumnTiles<n>;
   using Base::p, Base::tile, Base::smem, Base::wg, Base::tid, Base::s;
-  using Base::load_valid, Base::scale_and_mask;
+  using Base::valid_slots, Base::scale_and_mask;
   using Base::fragment_column, Base::fragment_row;
 
   // wg 0 accumulates O's columns 0-255, wg 1 columns 256-511.
@@ -184,7 +184,7 @@ struct Consumer : BlockLogits<Traits> {
     wait_gathered(smem.k_ready[0][1], 0);
     this->template issue_qk<4, Traits::kTiles>(0, false);
     warpgroup_commit_batch();
-    uint32_t valid = load_valid(0);
+    uint32_t valid = valid_slots(0);
     warpgroup_wait<0>();
     for (int pair = 0; pair < pairs; ++pair) {
       scale_and_mask(valid);
@@ -215,7 +215,7 @@ struct Consumer : BlockLogits<Traits> {
         wait_gathered(smem.k_ready[0][1], phase);
         this->template issue_qk<4, Traits::kTiles>(0, false);
         warpgroup_commit_batch();
-        valid = load_valid(2 * pair + 2);
+        valid = valid_slots(0);
         warpgroup_wait<0>();
       } else {
         warpgroup_wait<0>();
@@ -234,7 +234,7 @@ struct Consumer : BlockLogits<Traits> {
       wait_gathered(smem.k_ready[1][0], phase);
       this->template issue_qk<0, 4>(1, false);
       warpgroup_commit_batch();
-      const uint32_t valid = load_valid(2 * pair + 1);
+      const uint32_t valid = valid_slots(1);
       warpgroup_wait<0>();
       scale_and_mask(valid);
       float m[2];

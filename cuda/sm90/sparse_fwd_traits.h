@@ -68,6 +68,7 @@ struct SparseForwardTraits : MlaRows {
     float2 row_max[2][kHeads / 2];   // per warpgroup, its running max per quad (2 rows)
     float2 row_sum[2 * kHeads / 2];  // each warpgroup's softmax sums, for the final total
     // mbarriers: Q copied; per block and half (tiles 0-3, 4-8) gathered / released by its readers.
+    uint8_t slot_valid[2][kBlockKeys];  // per block buffer: 1 where the slot selects a key
     cutlass::arch::ClusterBarrier q_ready;
     cutlass::arch::ClusterBarrier k_ready[2][2], k_free[2][2];
   };

@@ -42,7 +42,12 @@ __forceinline__ __device__ void copy_16b(void* dst, const void* src, bool read) 
 
 // ---------------------------------------------------------------------------------------------
 // Gathering warpgroup: thread (group g = tid / 8, chunk c = tid % 8) copies 16-byte chunk c of every
-// 64-column tile of rows g, g + 16, g + 32, g + 48.
+// 64-column tile of rows g, g + 16, g + 32, g + 48. The threads of chunk 0 (the flag writers) also
+// write each slot's flag beside the block: the consumers read their masks from shared memory
+// instead of loading indices behind the gatherer's copies, which share their memory pipeline.
+
+inline constexpr int kGatherThreads = 128;
+inline constexpr int kGatherFlagWriters = kGatherThreads / 8;
 
 template <typename Traits>
 struct Gatherer {
@@ -99,7 +104,9 @@ struct Gatherer {
         rows[j][r] = slot(block, j, r) < p.topk && sparse_index_valid(p, tile.t, fetched[j][r]) ? fetched[j][r] : -1;
   }
 
-  // Tiles [kFirst, kLast) of the pair's block j into buffer j, then the buffer half's barrier.
+  // Tiles [kFirst, kLast) of the pair's block j into buffer j, then the buffer half's barrier. The
+  // first half also carries the slots' flags: their writers arrive once more on its barrier, and
+  // that arrive orders their stores before the consumers' wait.
   template <int j, int kFirst, int kLast>
   __forceinline__ __device__ void copy_half(cutlass::arch::ClusterBarrier& ready) {
     const Element* k = static_cast<const Element*>(p.k) + chunk * 8;
@@ -110,8 +117,10 @@ struct Gatherer {
       const Element* src = k + (valid ? p.k_row(tile.b, rows[j][r], tile.kh) : 0);
       CUTE_UNROLL
       for (int c = kFirst; c < kLast; ++c) copy_16b(dst + r * 16 * 64 + c * 64 * 64, src + c * 64, valid);
+      if (kFirst == 0 && chunk == 0) smem.slot_valid[j][group + 16 * r] = valid;
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ready));
+    if (kFirst == 0 && chunk == 0) ready.arrive();
   }
 
   // Each half is refilled in the order its readers release it. The forward's (Traits::
@@ -155,11 +164,12 @@ struct Gatherer {
 template <typename SharedStorage>
 __forceinline__ __device__ void init_gather_barriers(SharedStorage& smem) {
   if (threadIdx.x == 0) {
-    smem.q_ready.init(128);
+    smem.q_ready.init(kGatherThreads);
     for (int j = 0; j < 2; ++j)
       for (int h = 0; h < 2; ++h) {
-        smem.k_ready[j][h].init(128);  // every gathering thread's cp.async arrival
-        smem.k_free[j][h].init(128);   // every thread of the warpgroup that reads the half last
+        // Every gathering thread's cp.async arrival; on the first half, the flag writers' too.
+        smem.k_ready[j][h].init(kGatherThreads + (h == 0 ? kGatherFlagWriters : 0));
+        smem.k_free[j][h].init(128);  // every thread of the warpgroup that reads the half last
       }
     cutlass::arch::fence_barrier_init();
   }

@@ -1,6 +1,6 @@
 // What both Hopper top-k sparse kernels (sparse_fwd_kernel.h, sparse_dist_kernel.h) compute per
 // block of 64 gathered rows in a consumer warpgroup: S = Q·Kᵀ over all 576 columns with wgmma from
-// shared memory, and the validity of each slot, read from the indices as the gatherer read them.
+// shared memory, and the validity of each slot, from the flags the gatherer writes beside the rows.
 // The backward's first pass (sparse_bwd_kernel.h) shares the GEMM and the wait for gathered rows.
 #pragma once
 
@@ -52,6 +52,20 @@ __forceinline__ __device__ void accumulate_row_tiles(TiledMma& mma, int tid, Ele
   }
 }
 
+// Bit 2·i + e of the result (e < 2): the gatherer's flag of slot 8·i + 2·(tid % 4) + e of a block
+// (flags: one byte per slot), i.e. whether the column of accumulator element 4·i + e of a thread of
+// a 64-row wgmma accumulator selects a key. The two flags of a column pair are one 16-bit load.
+template <int kBlockKeys>
+__forceinline__ __device__ uint32_t valid_slot_bits(const uint8_t* flags, int tid) {
+  uint32_t bits = 0;
+  CUTE_UNROLL
+  for (int i = 0; i < kBlockKeys / 8; ++i) {
+    const uint32_t pair = *reinterpret_cast<const uint16_t*>(flags + 8 * i + 2 * (tid % 4));
+    bits |= (pair & 1u) << (2 * i) | (pair >> 8 & 1u) << (2 * i + 1);
+  }
+  return bits;
+}
+
 // A consumer warpgroup's view of the CTA and its logits tile S (64 heads x 64 slots), shared by
 // the forward's and attn_dist's consumers.
 template <typename Traits>
@@ -91,20 +105,10 @@ struct BlockLogits {
   __forceinline__ __device__ static int fragment_row(int r, int tid) { return tid / 32 * 16 + r * 8 + tid % 32 / 4; }
 
   // Bit 2·(e / 4) + e % 2 of the result: whether the slot of this thread's column
-  // fragment_column(e) of block `block` selects a key (as the gatherer decided, from the same
-  // indices). Read from global memory (the warpgroup reads one 256-byte span, from L1) rather than
-  // handed over in shared memory by the gatherer, so that the only exchanges between warpgroups
-  // are the row maxima and P, and are ordered by named barriers.
-  __forceinline__ __device__ uint32_t load_valid(int block) const {
-    const int32_t* indices = p.indices + p.index_row(tile.b, tile.t, tile.kh);
-    uint32_t bits = 0;
-    CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      const int64_t slot = int64_t(block) * Traits::kBlockKeys + 8 * (i / 2) + 2 * (tid % 4) + i % 2;
-      const int32_t key = slot < p.topk ? __ldg(indices + slot) : -1;
-      bits |= uint32_t(slot < p.topk && sparse_index_valid(p, tile.t, key)) << i;
-    }
-    return bits;
+  // fragment_column(e) of the block in buffer j selects a key, from the gatherer's flags (read
+  // after the buffer's first half has landed, before any warpgroup releases that half).
+  __forceinline__ __device__ uint32_t valid_slots(int j) const {
+    return valid_slot_bits<Traits::kBlockKeys>(smem.slot_valid[j], tid);
   }
 
   // S in log2 units (scale·log2(e)·q·k), −inf at the slots not gathered. Scaled before the max,
