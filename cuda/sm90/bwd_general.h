@@ -28,6 +28,7 @@
 #include "jfa/philox.h"
 #include "jfa/row_policy.cuh"
 #include "jfa/score_mod.h"  // kLog2eF
+#include "bwd_mask_bits.h"
 #include "bwd_softmax.h"
 #include "mask_policies.h"
 #include "utils.h"
@@ -39,7 +40,9 @@ using namespace cute;
 // Query blocks [begin, end) that may see key block n_block of K/V head kv_head: by position
 // (jfa::query_range), then narrowed to the queries that may share a segment id with its keys and
 // to those that the boolean mask lets some query head of the group see them. Empty: (0, 0).
-template <int kBlockM, int kBlockN, int kPolicies>
+// kWarpScan: every lane of the calling warp takes part, and the mask's summaries are scanned 32
+// row blocks at a time.
+template <int kBlockM, int kBlockN, int kPolicies, bool kWarpScan = false>
 __forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, int batch, int kv_head, int n_block) {
   const int key0 = n_block * kBlockN;
   KeyRange r = query_range(p, sequence_bounds(p, batch), key0, kBlockN);
@@ -47,7 +50,7 @@ __forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, i
     r = segment_narrowed(r, p.mask.kv_segment_chunks, batch, int(p.S), key0, kBlockN);
   if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
     const int group = int(p.N / p.K);
-    r = mask_narrowed_queries(p, batch, int64_t(kv_head) * group, group, key0, kBlockN, r);
+    r = mask_narrowed_queries<kWarpScan>(p, batch, int64_t(kv_head) * group, group, key0, kBlockN, r);
   }
   if (r.end <= r.begin) return make_int2(0, 0);
   return make_int2(int(r.begin / kBlockM), int((r.end + kBlockM - 1) / kBlockM));
@@ -194,13 +197,15 @@ enum class BwdTilePass { kPlain, kModified, kGeneral };
 // `dp` (becomes dS), (rows, cols) views with the coordinates `coords` of the same shape; lse_log2
 // and d: the step's row statistics per query (smem). kGeneral adds d(bias) into p.mask.dbias
 // (float32 atomics) and tests visibility where `partial`. keep: dropout's keep bits
-// (bwd_keep_bits; read with kDropout only). Returns this thread's share of
+// (bwd_keep_bits; read with kDropout only); mask: the bit-packed mask's bits of a partial step
+// (BwdStepMask, tested where loaded). Returns this thread's share of
 // Σ d(logit)·|i + offset − j| (d(slope) is minus the sum; 0 on kPlain).
 template <BwdTilePass kPass, int kPolicies, bool kQueriesInColumns, typename Scores, typename Grads, typename Coords,
-          typename Keep>
+          typename Keep, typename StepMask>
 __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords const& coords, const float* lse_log2,
                                                    const float* d, const AttentionParams& p, const BwdGeneralBlock& b,
-                                                   int head, int query0, bool partial, const Keep& keep) {
+                                                   int head, int query0, bool partial, const Keep& keep,
+                                                   const StepMask& mask) {
   static_assert(decltype(size<0>(s))::value == 2, "a 64-row wgmma atom: two rows per thread");
   constexpr int kCols = decltype(size<1>(s))::value;
   static_assert(kCols % 2 == 0);
@@ -216,18 +221,8 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   const float slope_log2 =
       kAlibi && kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
   const int pos0 = query0 + int(b.bounds.offset) - b.key0;
-  // This (batch, head)'s planes of the bit-packed mask, the bias and d(bias) (null: none).
-  const uint32_t* mask =
-      kBoolMask && kGeneral && partial && m.packed_mask.present() ? m.packed_mask.row(b.batch, head, 0) : nullptr;
-  // Queries in columns: a thread's two keys (rows r, r + 8 of a 64-key slice of one chunk) are bits
-  // bit0 and bit0 + 2 of one word of each query's row, the word mask_col[i · words].
-  const uint32_t* mask_col = mask;
-  int bit0 = 0;
-  if (kQueriesInColumns && mask != nullptr) {
-    const int j = b.key0 + get<0>(coords(0, 0));
-    mask_col = mask + (((j >> 7) << 2) | ((j >> 1) & 3));
-    bit0 = ((j >> 2) & 30) | (j & 1);
-  }
+  const bool mask_test = kBoolMask && kGeneral && partial && mask.loaded;
+  // This (batch, head)'s planes of the bias and d(bias) (null: none).
   const float* bias = kBias && kGeneral && m.bias != nullptr
                           ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
   float* dbias = kBias && kGeneral && m.dbias != nullptr
@@ -253,13 +248,9 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   for (int c = 0; c < kCols; c += 2) {
     const float2 lse = stats_of(lse_log2, c), dsum = stats_of(d, c);
     BwdQuery col_queries[2];
-    uint32_t col_words[2] = {~0u, ~0u};  // the two queries' mask words (queries in columns)
     if (kGeneral && kQueriesInColumns && partial) {
       col_queries[0] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)));
       col_queries[1] = bwd_query<kSegments>(p, b, query0 + get<1>(coords(0, c)) + 1);
-      if (mask != nullptr)  // rows past T read the last row's word: position hides them anyway
-        for (int at = 0; at < 2; ++at)
-          col_words[at] = mask_col[int64_t(min(col_queries[at].i, int(p.T) - 1)) * m.packed_mask.words];
     }
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) {
@@ -284,11 +275,7 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
           const BwdQuery& q = kQueriesInColumns ? col_queries[at] : row_queries[at];
           visible_here = j >= q.lo && j < q.hi;
           if (kv_seg != nullptr) visible_here = visible_here && kv_seg[j] == q.seg;
-          if constexpr (kQueriesInColumns) {
-            if (mask != nullptr) visible_here = visible_here && ((col_words[at] >> (bit0 + 2 * r)) & 1u);
-          } else if (mask != nullptr && visible_here) {  // (never past T or S: hidden by position)
-            visible_here = mask_row_has_key(mask + int64_t(i) * m.packed_mask.words, j);
-          }
+          if (mask_test) visible_here = visible_here && mask.test(c, e);
         }
         float x = s(r, cc) * p.scale_log2;
         if (softcap) {
@@ -371,14 +358,24 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
     const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, head, m_block, mask_full);
     const MaskParams& m = p.mask;
     constexpr bool kSoftcap = (kPolicies & kPolicySoftcap) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
-    constexpr bool kBias = (kPolicies & kPolicyBias) != 0;
+    constexpr bool kBias = (kPolicies & kPolicyBias) != 0, kBoolMask = (kPolicies & kPolicyBoolMask) != 0;
+    // The mask's words of a partial step load while its GEMMs run; kernels without a mask keep none.
+    std::conditional_t<kBoolMask, BwdStepMask<kQueriesInColumns, kBlockM, decltype(size<1>(coords))::value>,
+                       BwdNoStepMask>
+        step_mask;
+    if constexpr (kBoolMask)
+      if (partial && m.packed_mask.present()) step_mask.load(p, block.batch, head, query0, block.key0, coords);
     bwd_step_scores(
-        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP, [](auto&) {},
+        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP,
+        [&](auto&) {
+          if constexpr (kBoolMask)
+            if (step_mask.loaded) step_mask.finish(block.key0, coords);
+        },
         [&](auto& scores, auto& grads) {
           float slope_dot = 0.f;
           auto pass = [&](auto kind) {
             return bwd_tile_elements<decltype(kind)::value, kPolicies, kQueriesInColumns>(
-                scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep);
+                scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep, step_mask);
           };
           using Pass = BwdTilePass;
           if (partial || (kBias && m.bias != nullptr)) {

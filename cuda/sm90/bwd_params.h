@@ -206,7 +206,8 @@ __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Or
   const int kv_head = t.head / p.head_chunks;
   int2 range;
   if constexpr (kPolicies != 0)
-    range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN, kPolicies>(p.attn, t.batch, kv_head, t.m_block);
+    range = bwd_general_m_blocks<Traits::kBlockM, Traits::kBlockN, kPolicies, /*kWarpScan=*/true>(p.attn, t.batch,
+                                                                                                 kv_head, t.m_block);
   else
     range = bwd_m_block_range<Traits, kCausal>(p, t.m_block);
   const int per_head = range.y - range.x;

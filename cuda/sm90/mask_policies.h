@@ -419,11 +419,12 @@ __forceinline__ __device__ void apply_policy(Scores& scores, Coords const& coord
 
 // The general path's key blocks [x, y) of query tile m_block of head `head`: those of its position
 // range that may share a segment with it, from the first to the last that the boolean mask's
-// summaries leave a visible key in; no key at all gives block 0, fully masked.
+// summaries leave a visible key in; no key at all gives block 0, fully masked. Every lane of the
+// calling warp takes part (the summaries are scanned 32 chunks at a time).
 template <int kBlockM, int kBlockN>
 __forceinline__ __device__ int2 general_block_range(const AttentionParams& p, int batch, int head, int m_block) {
   const int m0 = m_block * kBlockM;
-  const KeyRange r = mask_narrowed_keys(
+  const KeyRange r = mask_narrowed_keys</*kWarp=*/true>(
       p, batch, head, m0, kBlockM,
       segment_narrowed(key_range(p, sequence_bounds(p, batch), m0, kBlockM), p.mask.q_segment_chunks, batch,
                        int(p.T), m0, kBlockM));

@@ -100,9 +100,47 @@ JFA_HOST_DEVICE KeyRange query_range(const AttentionParams& p, const SequenceBou
   return KeyRange{lo, hi > lo ? hi : lo};
 }
 
+// The first x in [lo, hi] with seen(x), else hi + 1, and the last x in [lo, hi] with seen(x),
+// else lo - 1. kWarp (GPU code whose calling warp has all 32 lanes here): the lanes test 32 values
+// at once and a ballot picks the first that answered, so a long run of empty summaries costs one
+// read per 32 instead of one dependent read each (a causal mask given as a tensor scans from the
+// far end to its diagonal).
+template <bool kWarp, typename Seen>
+JFA_HOST_DEVICE int first_seen(int lo, int hi, Seen&& seen) {
+#ifdef __CUDA_ARCH__
+  if constexpr (kWarp) {
+    const int lane = int(threadIdx.x % 32);
+    for (int base = lo; base <= hi; base += 32) {
+      const unsigned hits = __ballot_sync(0xffffffffu, base + lane <= hi && seen(base + lane));
+      if (hits != 0) return base + __ffs(hits) - 1;
+    }
+    return hi + 1;
+  }
+#endif
+  while (lo <= hi && !seen(lo)) ++lo;
+  return lo;
+}
+
+template <bool kWarp, typename Seen>
+JFA_HOST_DEVICE int last_seen(int lo, int hi, Seen&& seen) {
+#ifdef __CUDA_ARCH__
+  if constexpr (kWarp) {
+    const int lane = int(threadIdx.x % 32);
+    for (int top = hi; top >= lo; top -= 32) {
+      const unsigned hits = __ballot_sync(0xffffffffu, top - lane >= lo && seen(top - lane));
+      if (hits != 0) return top - (__ffs(hits) - 1);
+    }
+    return lo - 1;
+  }
+#endif
+  while (hi >= lo && !seen(hi)) --hi;
+  return hi;
+}
+
 // Keys r of rows [i0, i0 + rows) of head n narrowed by the bit-packed mask's tile summaries: from
 // the first to the last chunk of 128 keys in which some of those rows see a key (empty if none).
-// Both ends are found by scans that stop at the first such chunk: a causal mask's cost one load.
+// Both ends are found by scans that stop at the first such chunk (first_seen, last_seen).
+template <bool kWarp = false>
 JFA_HOST_DEVICE KeyRange mask_narrowed_keys(const AttentionParams& p, int64_t b, int64_t n, int64_t i0,
                                             int64_t rows, KeyRange r) {
   const PackedMaskView& m = p.mask.packed_mask;
@@ -115,10 +153,10 @@ JFA_HOST_DEVICE KeyRange mask_narrowed_keys(const AttentionParams& p, int64_t b,
       if (tiles[rb * chunks + c] != uint8_t(MaskTileKind::kEmpty)) return true;
     return false;
   };
-  int first = int(r.begin / kMaskChunkKeys), last = int((r.end - 1) / kMaskChunkKeys);
-  while (first <= last && !seen(first)) ++first;
-  while (last > first && !seen(last)) --last;
-  if (first > last) return KeyRange{r.begin, r.begin};
+  const int lo = int(r.begin / kMaskChunkKeys), hi = int((r.end - 1) / kMaskChunkKeys);
+  const int first = first_seen<kWarp>(lo, hi, seen);
+  if (first > hi) return KeyRange{r.begin, r.begin};
+  const int last = last_seen<kWarp>(first + 1, hi, seen);  // first if none
   const int64_t begin = max_i64(r.begin, int64_t(first) * kMaskChunkKeys);
   return KeyRange{begin, max_i64(min_i64(r.end, int64_t(last + 1) * kMaskChunkKeys), begin)};
 }
@@ -126,6 +164,7 @@ JFA_HOST_DEVICE KeyRange mask_narrowed_keys(const AttentionParams& p, int64_t b,
 // Queries r that see keys [j0, j0 + cols) narrowed likewise, over heads [n0, n0 + heads) (a GQA
 // group that one key block's walk serves): from the first to the last row block of 64 queries
 // in which some head's rows see a key of those chunks.
+template <bool kWarp = false>
 JFA_HOST_DEVICE KeyRange mask_narrowed_queries(const AttentionParams& p, int64_t b, int64_t n0, int64_t heads,
                                                int64_t j0, int64_t cols, KeyRange r) {
   const PackedMaskView& m = p.mask.packed_mask;
@@ -141,10 +180,10 @@ JFA_HOST_DEVICE KeyRange mask_narrowed_queries(const AttentionParams& p, int64_t
         if (tiles[h * m.tiles_head_stride + rb * chunks + c] != uint8_t(MaskTileKind::kEmpty)) return true;
     return false;
   };
-  int first = int(r.begin / kMaskTileRows), last = int((r.end - 1) / kMaskTileRows);
-  while (first <= last && !seen(first)) ++first;
-  while (last > first && !seen(last)) --last;
-  if (first > last) return KeyRange{r.begin, r.begin};
+  const int lo = int(r.begin / kMaskTileRows), hi = int((r.end - 1) / kMaskTileRows);
+  const int first = first_seen<kWarp>(lo, hi, seen);
+  if (first > hi) return KeyRange{r.begin, r.begin};
+  const int last = last_seen<kWarp>(first + 1, hi, seen);  // first if none
   const int64_t begin = max_i64(r.begin, int64_t(first) * kMaskTileRows);
   return KeyRange{begin, max_i64(min_i64(r.end, int64_t(last + 1) * kMaskTileRows), begin)};
 }
