@@ -34,8 +34,8 @@ for root in "$@"; do
   mkdir -p "$obj"
   inc=(-I"$root/cuda" -I"$root/cuda/include" -Icuda -Itests/cuda -isystem "$cutlass")
   srcs=("$root/cuda/sm90/api.cu" tests/cuda/sm90_check.cu)
-  for h in $hdims; do  # the dropout kernel's and the backward's files, where the tree has them
-    for f in "$root"/cuda/instantiations/sm90_{fwd_bf16_hdim${h}{,_dropout},bwd_bf16_hdim${h}}.cu; do
+  for h in $hdims; do  # the dropout kernel's and the backward's files (one per policy set), where the tree has them
+    for f in "$root"/cuda/instantiations/sm90_{fwd_bf16_hdim${h}{,_dropout},bwd_bf16_hdim${h}{,_*}}.cu; do
       [ -f "$f" ] && srcs+=("$f")
     done
   done

@@ -13,6 +13,8 @@
 //                                         the 128 x 128 blocks, at random) or random50 (every
 //                                         element at random: every tile partial). AB_SMALL=1: one
 //                                         small case (T = S = 333) instead, for compute-sanitizer
+// AB_DIGEST=1 prints digests of dK, dV and dQ after each case (a tree's change that should keep the
+// results: the same digests as the baseline's).
 // Inputs: random Q, K, V, O and dO, LSE from a sm90-free estimate (log S + 8), so that P and dS stay
 // finite; the figures are for comparing trees, not for quoting against peers (bench_attention.py).
 #include <cuda_runtime.h>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <iterator>
 #include <string>
@@ -238,7 +241,23 @@ void run_case(const Case& c, int rounds, Mode mode) {
   const float median = ms[ms.size() / 2];
   std::printf("AB root=%s mode=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
               AB_ROOT, kModeNames[int(mode)], H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
-  std::fflush(stdout);
+  // AB_DIGEST=1: what the last launch computed, to compare trees: dK and dV bit for bit (each key
+  // block's sums run in one fixed order) and dQ's sums (float atomics: equal up to rounding).
+  if (std::getenv("AB_DIGEST") != nullptr) {
+    uint64_t digest[2] = {1469598103934665603ull, 1469598103934665603ull};
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint16_t> host(nk);
+      CK(cudaMemcpy(host.data(), buf[6 + i], nk * 2, cudaMemcpyDeviceToHost));
+      for (uint16_t x : host) digest[i] = (digest[i] ^ x) * 1099511628211ull;
+    }
+    std::vector<Element> dq(nq);
+    CK(cudaMemcpy(dq.data(), buf[5], nq * 2, cudaMemcpyDeviceToHost));
+    double sum = 0, abs_sum = 0;
+    for (Element x : dq) sum += float(x), abs_sum += std::fabs(float(x));
+    std::printf("DIGEST root=%s mode=%s T=%d dk=%016llx dv=%016llx dq_sum=%.6e dq_abs_sum=%.6e\n", AB_ROOT,
+                kModeNames[int(mode)], T, (unsigned long long)digest[0], (unsigned long long)digest[1], sum, abs_sum);
+    std::fflush(stdout);
+  }
   for (void* b : buf) CK(cudaFree(b));
   CK(cudaFree(d_lse));
   CK(cudaFree(accum));
