@@ -104,37 +104,48 @@ JFA_HOST_DEVICE KeyRange query_range(const AttentionParams& p, const SequenceBou
 // else lo - 1. kWarp (GPU code whose calling warp has all 32 lanes here): the lanes test 32 values
 // at once and a ballot picks the first that answered, so a long run of empty summaries costs one
 // read per 32 instead of one dependent read each (a causal mask given as a tensor scans from the
-// far end to its diagonal).
+// far end to its diagonal). Host code (nvcc's host pass, the CPU kernels) always takes the serial
+// loop.
+template <bool kWarp>
+inline constexpr bool kMaskScanBallot =
+#ifdef __CUDA_ARCH__
+    kWarp;
+#else
+    false;
+#endif
+
 template <bool kWarp, typename Seen>
 JFA_HOST_DEVICE int first_seen(int lo, int hi, Seen&& seen) {
+  if constexpr (kMaskScanBallot<kWarp>) {
 #ifdef __CUDA_ARCH__
-  if constexpr (kWarp) {
     const int lane = int(threadIdx.x % 32);
     for (int base = lo; base <= hi; base += 32) {
       const unsigned hits = __ballot_sync(0xffffffffu, base + lane <= hi && seen(base + lane));
       if (hits != 0) return base + __ffs(hits) - 1;
     }
-    return hi + 1;
-  }
 #endif
-  while (lo <= hi && !seen(lo)) ++lo;
-  return lo;
+    return hi + 1;
+  } else {
+    while (lo <= hi && !seen(lo)) ++lo;
+    return lo;
+  }
 }
 
 template <bool kWarp, typename Seen>
 JFA_HOST_DEVICE int last_seen(int lo, int hi, Seen&& seen) {
+  if constexpr (kMaskScanBallot<kWarp>) {
 #ifdef __CUDA_ARCH__
-  if constexpr (kWarp) {
     const int lane = int(threadIdx.x % 32);
     for (int top = hi; top >= lo; top -= 32) {
       const unsigned hits = __ballot_sync(0xffffffffu, top - lane >= lo && seen(top - lane));
       if (hits != 0) return top - (__ffs(hits) - 1);
     }
-    return lo - 1;
-  }
 #endif
-  while (hi >= lo && !seen(hi)) --hi;
-  return hi;
+    return lo - 1;
+  } else {
+    while (hi >= lo && !seen(hi)) --hi;
+    return hi;
+  }
 }
 
 // Keys r of rows [i0, i0 + rows) of head n narrowed by the bit-packed mask's tile summaries: from
