@@ -29,38 +29,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "jfa/mask_packing.h"
+#include "ab_sm90_common.h"
 #include "sm90/bwd_launch.h"
-
-#ifndef AB_HDIM
-#define AB_HDIM 128
-#endif
-#ifndef AB_ROOT
-#define AB_ROOT "?"
-#endif
-
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                     \
-      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
-
-namespace jfa::sm90 {
-// api.cu's, which this binary does not link.
-int num_sms() {
-  int device = 0, n = 1;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  return n;
-}
-}  // namespace jfa::sm90
 
 namespace {
 
-using Element = cutlass::bfloat16_t;
+using ab::Element;
+using ab::fill_random;
 using Config = jfa::sm90::BwdConfig<Element, AB_HDIM>;
 
 // The traits run_bwd takes for a call without masks: PlainTraits where a tree has them.
@@ -68,20 +43,6 @@ template <typename C, typename = void>
 struct PlainOf { using type = typename C::Traits; };
 template <typename C>
 struct PlainOf<C, std::void_t<typename C::PlainTraits>> { using type = typename C::PlainTraits; };
-
-// Normal-ish values (the sum of four hashed uniforms, centred and scaled to unit variance) made on
-// the device: host generation of 16k x 2048 elements per buffer took most of a run.
-__global__ void fill_random(Element* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 0x9E3779B9u ^ seed * 0x85EBCA6Bu ^ uint32_t(i >> 32);
-    float sum = 0.f;
-    for (int k = 0; k < 4; ++k) {
-      h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
-      sum += float(h) * 2.3283064e-10f;
-    }
-    x[i] = Element((sum - 2.f) * 1.7320508f);
-  }
-}
 
 // Trees before AttentionParams::accum_cols have rows as wide as H.
 template <typename P>
@@ -110,46 +71,9 @@ constexpr const char* kModeNames[] = {"plain", "dropout", "det", "causal", "bloc
 
 bool is_mask(Mode mode) { return mode >= Mode::kMaskCausal; }
 
-// The mask of a mask mode as jax_flashattn.pack_mask lays it out (jfa/packed_mask.h), [T, S], its
-// bits and tile summaries on the device; *bits_out, *tiles_out: the buffers to free.
-jfa::PackedMaskView packed_mask(Mode mode, int T, int S, uint32_t** bits_out, uint8_t** tiles_out) {
-  const int64_t words = jfa::mask_words(S), chunks = jfa::mask_chunks(S), row_blocks = jfa::mask_row_blocks(T);
-  std::vector<uint32_t> bits(size_t(T) * words, 0u);
-  const int blocks_per_row = (S + 127) / 128;
-  for (int i = 0; i < T; ++i)
-    for (int j = 0; j < S; ++j) {
-      bool visible;
-      uint32_t h = (uint32_t(i) * 0x9E3779B9u) ^ (uint32_t(j) * 0x85EBCA6Bu);
-      h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12;
-      if (mode == Mode::kMaskCausal) {
-        visible = j <= i;
-      } else if (mode == Mode::kMaskBlock50) {
-        uint32_t b = uint32_t(i / 128 * blocks_per_row + j / 128) * 0x9E3779B9u;
-        b ^= b >> 15; b *= 0x2C1B3C6Du; b ^= b >> 12;
-        visible = (b & 1u) != 0;
-      } else {
-        visible = (h & 1u) != 0;
-      }
-      const int x = j % jfa::kMaskChunkKeys;
-      if (visible)
-        bits[size_t(i) * words + (j / jfa::kMaskChunkKeys) * jfa::kMaskChunkWords + jfa::mask_word_of_key(x)] |=
-            1u << jfa::mask_bit_of_key(x);
-    }
-  std::vector<uint8_t> tiles(size_t(row_blocks) * chunks);
-  for (int64_t rb = 0; rb < row_blocks; ++rb)
-    for (int64_t c = 0; c < chunks; ++c)
-      tiles[rb * chunks + c] = uint8_t(jfa::summarize_mask_tile(bits.data(), T, S, rb, c));
-  CK(cudaMalloc(bits_out, bits.size() * 4));
-  CK(cudaMemcpy(*bits_out, bits.data(), bits.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMalloc(tiles_out, tiles.size()));
-  CK(cudaMemcpy(*tiles_out, tiles.data(), tiles.size(), cudaMemcpyHostToDevice));
-  jfa::PackedMaskView m;  // broadcast over batch and heads: strides 0
-  m.bits = *bits_out;
-  m.tiles = *tiles_out;
-  m.words = words;
-  m.chunks = chunks;
-  m.row_blocks = row_blocks;
-  return m;
+ab::MaskPattern pattern_of(Mode mode) {
+  return mode == Mode::kMaskCausal ? ab::MaskPattern::kCausal
+         : mode == Mode::kMaskBlock50 ? ab::MaskPattern::kBlock50 : ab::MaskPattern::kRandom50;
 }
 
 void run_case(const Case& c, int rounds, Mode mode) {
@@ -199,7 +123,7 @@ void run_case(const Case& c, int rounds, Mode mode) {
   }
   uint32_t* mask_bits = nullptr;
   uint8_t* mask_tiles = nullptr;
-  if (is_mask(mode)) p.mask.packed_mask = packed_mask(mode, T, S, &mask_bits, &mask_tiles);
+  if (is_mask(mode)) p.mask.packed_mask = ab::packed_mask(pattern_of(mode), T, S, &mask_bits, &mask_tiles);
   CK(cudaMalloc(&stats, size_t(2) * B * c.N * p.dq_accum_rows() * 4));
   p.dq_accum = accum;
   p.softmax_d = stats;
@@ -222,21 +146,7 @@ void run_case(const Case& c, int rounds, Mode mode) {
                     : launch_bwd<typename PlainOf<Config>::type, false, 0>(p, stream);
 #endif
   };
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(launch());
-  std::vector<float> ms;
-  for (int r = 0; r < rounds; ++r) {
-    CK(cudaEventRecord(e0, stream));
-    CK(launch());
-    CK(cudaEventRecord(e1, stream));
-    CK(cudaEventSynchronize(e1));
-    float t;
-    CK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const std::vector<float> ms = ab::time_launches(launch, stream, rounds);
   const double flops = 2.5 * 4.0 * B * double(T) * S * c.N * H * (c.causal || mode == Mode::kMaskCausal ? 0.5 : 1.0);
   const float median = ms[ms.size() / 2];
   std::printf("AB root=%s mode=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
@@ -244,12 +154,7 @@ void run_case(const Case& c, int rounds, Mode mode) {
   // AB_DIGEST=1: what the last launch computed, to compare trees: dK and dV bit for bit (each key
   // block's sums run in one fixed order) and dQ's sums (float atomics: equal up to rounding).
   if (std::getenv("AB_DIGEST") != nullptr) {
-    uint64_t digest[2] = {1469598103934665603ull, 1469598103934665603ull};
-    for (int i = 0; i < 2; ++i) {
-      std::vector<uint16_t> host(nk);
-      CK(cudaMemcpy(host.data(), buf[6 + i], nk * 2, cudaMemcpyDeviceToHost));
-      for (uint16_t x : host) digest[i] = (digest[i] ^ x) * 1099511628211ull;
-    }
+    const uint64_t digest[2] = {ab::digest(buf[6], nk * sizeof(Element)), ab::digest(buf[7], nk * sizeof(Element))};
     std::vector<Element> dq(nq);
     CK(cudaMemcpy(dq.data(), buf[5], nq * 2, cudaMemcpyDeviceToHost));
     double sum = 0, abs_sum = 0;
@@ -267,8 +172,6 @@ void run_case(const Case& c, int rounds, Mode mode) {
   if (seeds != nullptr) CK(cudaFree(seeds));
   if (mask_bits != nullptr) CK(cudaFree(mask_bits));
   if (mask_tiles != nullptr) CK(cudaFree(mask_tiles));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
   CK(cudaStreamDestroy(stream));
 }
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# A/B timing of the Hopper backward across source trees (benchmarks/ab_sm90_bwd.cu).
+# A/B timing of the Hopper backward across source trees (benchmarks/ab_sm90_bwd.cu), or with
+# AB_SOURCE=benchmarks/ab_sm90_fwd_masks.cu of the forward's mask kernels (its MODE: one mask
+# pattern, or every one by default).
 #   bash benchmarks/ab_sm90_bwd.sh build ROOT...   one binary per ROOT (a directory holding a cuda/
 #                                                  tree: "." or `git archive <commit> cuda | tar -x -C
 #                                                  .ab/<name>`), into .ab/bin/<i>-<name>; needs nvcc and
@@ -33,7 +35,7 @@ case "${1:-}" in
       out="$bin/$i-$name-h${AB_HDIM:-128}"
       nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
         -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -DAB_HDIM="${AB_HDIM:-128}" -DAB_DROPOUT -DAB_ROOT="\"$name\"" ${AB_NVCC_FLAGS:-} \
-        -I"$root/cuda" -I"$root/cuda/include" -isystem "$cutlass" benchmarks/ab_sm90_bwd.cu -o "$out" \
+        -I"$root/cuda" -I"$root/cuda/include" -isystem "$cutlass" "${AB_SOURCE:-benchmarks/ab_sm90_bwd.cu}" -o "$out" \
         > "$out.log" 2>&1 &
       i=$((i + 1))
     done

@@ -34,7 +34,6 @@ struct FwdGeneralTile {
 
   TileRows<kRows> rows;  // this thread's rows (read_rows, under the tile's first GEMM)
   int batch, head, m0;
-  MaskRowSummaries summaries;  // the boolean mask's, of the tile's rows (fwd_tile_summaries)
   bool score_mods;       // score modifiers run on every block
   float prefix_slope;    // ALiBi's slope in raw-score units, for the tensor cores' prefix
   bool alibi_prefix;     // this tile's ALiBi runs on the tensor cores
@@ -45,7 +44,7 @@ struct FwdGeneralTile {
   uint32_t mask_words[kRows];
 
   __forceinline__ __device__ FwdGeneralTile(const AttentionParams& p, const TileCoord& t, int m0_)
-      : batch(t.batch), head(t.head), m0(m0_), summaries(fwd_tile_summaries<Traits, kPolicies>(p, t)) {
+      : batch(t.batch), head(t.head), m0(m0_) {
     // The prefix kernel always has slopes (fwd_launch.h runs it for calls with ALiBi only; without
     // them its prefix and shifts would add zeros): a compile-time true there.
     score_mods = kAlibiPrefix || ((kPolicies & kScoreMods) && p.mask.has_score_mod());
@@ -65,14 +64,12 @@ struct FwdGeneralTile {
     rows = tile_rows<kPolicies, kRows, Traits::kBlockM, kBlockN>(p, batch, head, m0, coords);
   }
 
-  // The boolean mask's test wherever the tile's summaries do not prove the block full.
-  __forceinline__ __device__ int needs(const AttentionParams& p, int n_block) const {
+  // The per-element tests of block n_block: the boolean mask's wherever the tile's summaries do not
+  // prove the block full (`mask_partial`, from the producer's walk: FwdBlockWalk).
+  __forceinline__ __device__ int needs(const AttentionParams& p, int n_block, bool mask_partial) const {
     int needs = block_needs<kPolicies>(p, rows, n_block);
-    if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
-      constexpr int kRowBlocks = (Traits::kBlockM + kMaskTileRows - 1) / kMaskTileRows;
-      if (summaries.template block_kind<kRowBlocks>(n_block * kBlockN, kBlockN) != MaskTileKind::kFull)
-        needs |= kNeedsMask;
-    }
+    if constexpr ((kPolicies & kPolicyBoolMask) != 0)
+      if (mask_partial) needs |= kNeedsMask;
     return needs;
   }
 

@@ -192,13 +192,23 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
       if (n_block == work.n_begin) ss.q_empty.arrive();
   };
 
+  // The block after n (walking down): with the boolean mask the producer says which and what it
+  // holds, beside the block's K stage (FwdBlockWalk); else every block down to n_begin. There the
+  // loop's next n is a placeholder in range, the block read after its K stage's wait.
+  constexpr bool kHandedBlocks = FwdBlockWalk<Traits, kPolicies>::kMask;
+  FwdBlockInfo info{0};
+
   // First (last-in-memory) key block: the only one that can cross S; causal diagonal too. Its
   // tests are found under its GEMM, as in the loop. It runs without ALiBi's prefix (apply_policy
   // adds the term per element).
   pipeline_k.consumer_wait(read);
   gemm</*zero_init=*/true, /*wait=*/-1>(f.mma_qk, f.tSrQ, f.tSrK(_, _, _, read.index()), tSrS);
+  if constexpr (kHandedBlocks) {
+    info = handed_block(ss, read);
+    n = info.block();
+  }
   if constexpr (kGeneral) general.read_rows(p.attn, f.cS_rc);
-  int needs = kGeneral ? general.needs(p.attn, n) : 0;
+  int needs = kGeneral ? general.needs(p.attn, n, info.partial()) : 0;
   if constexpr (kGeneral) general.load_mask_words(p.attn, f.cS_rc, n, needs);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
@@ -208,8 +218,7 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
   convert(tSrS, tOrP);
   clear(tOrO);
 
-  // The next block's summaries are read a block ahead, under the GEMMs.
-  int next_n = fwd_prev_block<Traits, kPolicies>(general.summaries, work, n);
+  int next_n = kHandedBlocks ? (info.more() ? work.n_begin : -1) : n - 1;
 #pragma unroll 1
   for (n = next_n; n >= work.n_begin; n = next_n) {
     PipelineState read_v = read;  // V of the previous block
@@ -226,9 +235,13 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
     zero_v_tail(read_v.index());
     gemm</*zero_init=*/false, /*wait=*/-1>(f.mma_pv, tOrP, f.tOrV(_, _, _, read_v.index()), tOrO);
     sched_arrive();
-    needs = kGeneral ? general.needs(p.attn, n) : 0;
+    if constexpr (kHandedBlocks) {
+      info = handed_block(ss, read);
+      n = info.block();
+    }
+    needs = kGeneral ? general.needs(p.attn, n, info.partial()) : 0;
     if constexpr (kGeneral) general.load_mask_words(p.attn, f.cS_rc, n, needs);
-    next_n = fwd_prev_block<Traits, kPolicies>(general.summaries, work, n);
+    next_n = kHandedBlocks ? (info.more() ? work.n_begin : -1) : n - 1;
     warpgroup_wait<1>();  // S is ready; P·V still running
     pipeline_k.consumer_release(read);
     release_q_after(n);

@@ -25,6 +25,7 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
                                             typename Traits::Pipeline& pipeline_v) {
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
+  using Walk = FwdBlockWalk<Traits, kPolicies>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const bool leader = threadIdx.x == 0;
   // K and V tiles are partitioned once per tile and indexed by key block.
@@ -36,7 +37,7 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
   TileWork work = fwd_tile_work<Traits, kCausal, kPolicies>(p, sched, blockIdx.x);
   for (int iter = 0; work.tile < p.num_tiles; ++iter) {
     const TileCoord t = work.coord;
-    const MaskRowSummaries summaries = fwd_tile_summaries<Traits, kPolicies>(p.attn, t);
+    Walk walk(fwd_tile_summaries<Traits, kPolicies>(p.attn, t), work);
     const int kv_head = t.head / p.group;
     Tensor gK = local_tile(mK(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gV = local_tile(mV(_, _, kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -58,15 +59,22 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
                                                      s(_, _, st.index()), t.batch, kv_head, n, bar);
       if (leader) copy(tma.with(bar), tg(_, n), ts(_, st.index()));
     };
-    auto load_k = [&](int n, PipelineState const& st) {
+    // K of block n, with the block's facts for the consumers on the mask's kernels (written before
+    // the stage's acquire: block_info_slot).
+    auto load_k = [&](int n, bool partial, int next, PipelineState const& st) {
+      if constexpr (Walk::kMask)
+        if (leader) hand_block(ss, st, n, partial, walk.visits(next));
       load(pipeline_k, p.tma_k, p.tma_k_narrow, p.tma_k_wide, mK, sK, tKgK, tKsK, n, st);
     };
     auto load_v = [&](int n, PipelineState const& st) {
       load(pipeline_v, p.tma_v, p.tma_v_narrow, p.tma_v_wide, mV, sV, tVgV, tVsV, n, st);
     };
+    // The walk runs a block ahead of the loads: a K stage says whether another block follows.
     int n = work.n_end - 1;
+    const bool first_partial = walk.partial(n);
+    int prev = walk.prev(n);
     // The first K goes out before waiting for the consumers to free Q: it overlaps their epilogue.
-    load_k(n, write);
+    load_k(n, first_partial, prev, write);
     if (iter > 0) ss.q_empty.wait((iter - 1) & 1);
     if (leader) {
       ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
@@ -77,16 +85,18 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     // K of block n-1 goes out before V of block n: the consumers need it first (Q·K[n-1]ᵀ is
     // issued before P·V[n]), and V[n]'s slot frees later (when P·V[n-2] has finished).
     auto load_step = [&] {
-      const int prev = fwd_prev_block<Traits, kPolicies>(summaries, work, n);
+      const bool partial = walk.partial(prev);  // before the walk moves past prev's window
+      const int next = walk.prev(prev);
       PipelineState write_v = write;
       ++write;
-      load_k(prev, write);
+      load_k(prev, partial, next, write);
       load_v(n, write_v);
       n = prev;
+      prev = next;
     };
     // The first step's slots free during the previous tile: its loads go out before the meetings
     // below, which last until the consumers start this tile (a tile of one block: its V).
-    const bool one_block = n == work.n_begin;
+    const bool one_block = !walk.visits(prev);
     if (one_block) {
       load_v(n, write);
       ++write;
@@ -105,8 +115,8 @@ __forceinline__ __device__ void fwd_produce(const FwdParams<Traits>& p, const Sc
     }
     if (!one_block) {
 #pragma unroll 1
-      while (n > work.n_begin) load_step();
-      load_v(work.n_begin, write);
+      while (walk.visits(prev)) load_step();
+      load_v(n, write);
       ++write;
     }
     // Read back rather than kept in registers through the loop (the producer has 24); lane 0

@@ -174,6 +174,9 @@ struct FwdSharedStorage {
   // (where the producer is loading it). Two slots: the write of tile i + 2 (after that meeting)
   // cannot touch the slot still being read, which every consumer read before arriving there.
   TileWork next_work[2];
+  // The key block of each K stage on the kernels of the boolean mask, per phase (fwd_params.h,
+  // FwdBlockInfo and block_info_slot).
+  int block_info[2][Traits::kStages];
   // One word per consumer thread that softmax_done() stores to (never read).
   float softmax_sink[Traits::kNumMmaThreads];
 };
