@@ -9,9 +9,10 @@
 //                                         det (deterministic=True: ordered dQ adds), or a bit-packed
 //                                         mask [1, 1, T, S] shared by every batch element and head on
 //                                         the cases without causality and GQA (the mask kernels):
-//                                         causal (the causal triangle as a mask), block50 (half of
-//                                         the 128 x 128 blocks, at random) or random50 (every
-//                                         element at random: every tile partial). AB_SMALL=1: one
+//                                         causal (the causal triangle as a mask), block50 or block10
+//                                         (half or a tenth of the 128 x 128 blocks, at random:
+//                                         runs of empty steps) or random50 (every element at
+//                                         random: every tile partial). AB_SMALL=1: one
 //                                         small case (T = S = 333) instead, for compute-sanitizer
 // AB_DIGEST=1 prints digests of dK, dV and dQ after each case (a tree's change that should keep the
 // results: the same digests as the baseline's).
@@ -66,14 +67,16 @@ constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096,
                            {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, true},
                            {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, false}, {8192, 2048 / AB_HDIM, 2048 / AB_HDIM / 8, true}};
 
-enum class Mode { kPlain, kDropout, kDeterministic, kMaskCausal, kMaskBlock50, kMaskRandom50 };
-constexpr const char* kModeNames[] = {"plain", "dropout", "det", "causal", "block50", "random50"};
+enum class Mode { kPlain, kDropout, kDeterministic, kMaskCausal, kMaskBlock50, kMaskRandom50, kMaskBlock10 };
+constexpr const char* kModeNames[] = {"plain", "dropout", "det", "causal", "block50", "random50", "block10"};
 
 bool is_mask(Mode mode) { return mode >= Mode::kMaskCausal; }
 
 ab::MaskPattern pattern_of(Mode mode) {
-  return mode == Mode::kMaskCausal ? ab::MaskPattern::kCausal
-         : mode == Mode::kMaskBlock50 ? ab::MaskPattern::kBlock50 : ab::MaskPattern::kRandom50;
+  return mode == Mode::kMaskCausal    ? ab::MaskPattern::kCausal
+         : mode == Mode::kMaskBlock50 ? ab::MaskPattern::kBlock50
+         : mode == Mode::kMaskBlock10 ? ab::MaskPattern::kBlock10
+                                      : ab::MaskPattern::kRandom50;
 }
 
 void run_case(const Case& c, int rounds, Mode mode) {

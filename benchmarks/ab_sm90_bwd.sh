@@ -13,7 +13,7 @@
 #                                                  (default 2), so that clock drift reaches each alike;
 #                                                  only the cases with T >= MIN_T. MODE: plain
 #                                                  (default), dropout, det (deterministic=True), or
-#                                                  a bit-packed mask: causal, block50 or random50
+#                                                  a bit-packed mask: causal, block50, block10 or random50
 #                                                  (ab_sm90_bwd.cu's header).
 # AB_HDIM: the head dim compiled in (64, 128 or 256; default 128). AB_BIN: the binaries' folder
 # (default .ab/bin). AB_NVCC_FLAGS: more nvcc flags,
