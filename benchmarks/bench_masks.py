@@ -1,5 +1,6 @@
 """Masks given as tensors: a boolean mask or a PackedMask against the same pattern without one, and
-against jax.nn (cuDNN, XLA) given the same boolean mask, in one process.
+against jax.nn (cuDNN, XLA) and tokamax (its Mosaic GPU kernels) given the same boolean mask, in one
+process.
 
     python benchmarks/bench_masks.py                    # bf16, T = S = 16k, H 64/128/256, N·H = 2048
     python benchmarks/bench_masks.py --cpu-smoke        # a tiny float32 run that works on a CPU
@@ -29,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashattn as jfa
+from bench_attention import import_tokamax
 from bench_decode import timed  # the same back-to-back timing
 
 MASKS = ["none", "causal", "causal_tensor", "block10", "block50", "random50"]
-IMPLS = ["jax_flashattn", "cudnn", "xla"]
+IMPLS = ["jax_flashattn", "cudnn", "tokamax", "xla"]
 BLOCK = 128
 
 
@@ -58,6 +60,10 @@ def make_fn(impl, name, T, S, passes):
     if impl == "jax_flashattn":
         mask = jfa.block_mask(blocks, BLOCK, q_len=T, kv_len=S) if blocks is not None else dense
         attend = lambda q, k, v: jfa.flash_attention(q, k, v, mask=mask, is_causal=causal)  # noqa: E731
+    elif impl == "tokamax":
+        tokamax = import_tokamax()
+        attend = lambda q, k, v: tokamax.dot_product_attention(  # noqa: E731
+            q, k, v, mask=dense, is_causal=causal, implementation="mosaic")
     else:
         attend = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, mask=dense, is_causal=causal, implementation=impl)
