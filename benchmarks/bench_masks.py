@@ -13,8 +13,10 @@ Masks (each [1, 1, T, S], shared by the batch and the heads):
                 gets the PackedMask; jax.nn the equivalent boolean mask)
   random50      every element kept with probability 0.5 (every tile partial)
 Passes: fwd, and fwdbwd (grad of the sum of the output with respect to q, k, v). Every function
-jitted and warmed up; a round is `--calls` back-to-back calls and one block_until_ready; medians of
-`--rounds` rounds, the implementations of one row alternating within each round.
+jitted and warmed up; a round is back-to-back calls and one block_until_ready: `--calls`, or as many
+as make the round last `--min-round-ms` where one call is shorter (a round's first dispatch and its
+final wait would otherwise weigh on short calls; docs/performance.md, masks); medians of `--rounds`
+rounds, the implementations of one row alternating within each round.
 Writes benchmarks/results/<date>-<device>-masks.csv (ms, and the ratio to the row's reference:
 `none` for block and random masks, `causal` for the causal tensor).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import math
 from pathlib import Path
 
 import jax
@@ -81,11 +84,12 @@ def main():
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--min-round-ms", type=float, default=20.0)
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     if a.cpu_smoke:
-        a.hdims, a.seqlen, a.impls, a.rounds, a.calls = "32", 256, "jax_flashattn,xla", 1, 1
+        a.hdims, a.seqlen, a.impls, a.rounds, a.calls, a.min_round_ms = "32", 256, "jax_flashattn,xla", 1, 1, 0.0
     dtype = jnp.float32 if a.cpu_smoke else jnp.bfloat16
     device = jax.devices()[0]
     tag = device.device_kind.lower().replace(" ", "-") if device.platform == "gpu" else "cpu"
@@ -117,17 +121,18 @@ def main():
                         fns[(name, impl)] = fn
                     except Exception as e:  # a peer that refuses the call: no row
                         print(f"skip {impl} {name} H {H} {passes}: {type(e).__name__}: {str(e)[:120]}")
+            calls = {key: max(a.calls, math.ceil(a.min_round_ms / timed(fn, (q, k, v), 1))) for key, fn in fns.items()}
             times = {key: [] for key in fns}
             for _ in range(a.rounds):
                 for key, fn in fns.items():
-                    times[key].append(timed(fn, (q, k, v), a.calls))
+                    times[key].append(timed(fn, (q, k, v), calls[key]))
             med = {key: float(np.median(t)) for key, t in times.items()}
             for (name, impl), ms in med.items():
                 ref = "causal" if name in ("causal", "causal_tensor") else "none"
                 base = med.get((ref, impl))
                 ratio = base / ms if base else float("nan")
                 rows.append(dict(device=tag, H=H, T=T, N=N, passes=passes, mask=name, impl=impl,
-                                 ms=round(ms, 4), speed_vs_reference=round(ratio, 3)))
+                                 ms=round(ms, 4), speed_vs_reference=round(ratio, 3), calls=calls[(name, impl)]))
                 print(f"H {H:3d} {passes:6s} {name:14s} {impl:14s} {ms:9.3f} ms  x{ratio:.3f} of {ref}")
             write_rows()
     print("wrote", out)
