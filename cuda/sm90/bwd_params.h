@@ -220,14 +220,63 @@ __forceinline__ __device__ BwdWalk bwd_walk(const BwdParams<Traits>& p, const Or
   return walk;
 }
 
+// The summaries of 32 consecutive steps of the walk, from which an MMA warp picks the step after
+// the current one by a ballot: lane i holds step base + i's, base the current step rounded down to
+// a multiple of 16, so that at least 16 steps after the current one are in it and nothing but the
+// summaries stays live across a step. Between two steps in different halves the window slides by
+// half its width, and only the steps that come in are read, after the step, so that the next
+// step's GEMMs hide the read: most steps compute no summary address at all (one per lane and step,
+// each with a division, would come before every step's first GEMM).
+template <typename Traits>
+struct BwdStepWindow {
+  static constexpr int kWidth = 32, kHalf = kWidth / 2;
+  static constexpr int kRowBlocks = Traits::kBlockM / kMaskTileRows;
+  using Summaries = BwdStepSummaries<kRowBlocks>;
+  Summaries mine{};  // step base_of(current) + lane's (none past the walk's end: empty)
+
+  static __forceinline__ __device__ int base_of(int s) { return s & ~(kHalf - 1); }
+
+  __forceinline__ __device__ void load(const BwdParams<Traits>& p, const BwdWalk& walk, int base, int lane) {
+    mine = base + lane < walk.num_steps ? bwd_step_summaries(p, walk, walk.step(base + lane, p.heads)) : Summaries{};
+  }
+  // The first step after s whose summaries show a visible key, and its summaries in
+  // `next_summaries`; past the window, the search goes on 32 steps per read (bwd_next_step), and
+  // the step found is read by itself. walk.num_steps: none.
+  template <int kPolicies>
+  __forceinline__ __device__ int next(const BwdParams<Traits>& p, const BwdWalk& walk, int s,
+                                      Summaries& next_summaries) const {
+    const int base = base_of(s), after = s - base + 1;  // lanes from `after` on: the steps after s
+    const unsigned seen = __ballot_sync(0xffffffffu, mine.seen()) & (~0u << after);
+    if (seen != 0) {
+      const int next_lane = __ffs(seen) - 1;
+      next_summaries = mine.from_lane(next_lane);
+      return base + next_lane;
+    }
+    const int found = min(bwd_next_step<Traits, kPolicies>(p, walk, base + kWidth - 1), walk.num_steps);
+    if (found < walk.num_steps) next_summaries = bwd_step_summaries(p, walk, walk.step(found, p.heads));
+    return found;
+  }
+  // From step s to step `next`: in the next half, the upper lanes' summaries move down and the
+  // upper lanes read the steps that come in; further on (found past the window), every lane reads.
+  __forceinline__ __device__ void advance(const BwdParams<Traits>& p, const BwdWalk& walk, int s, int next, int lane) {
+    const int base = base_of(s), next_base = base_of(next);
+    if (next_base == base || next >= walk.num_steps) return;
+    if (next_base == base + kHalf) {
+      CUTE_UNROLL
+      for (int i = 0; i < kRowBlocks; ++i) mine.kinds[i] = __shfl_down_sync(0xffffffffu, mine.kinds[i], kHalf);
+      if (lane >= kHalf) load(p, walk, next_base, lane);
+    } else {
+      load(p, walk, next_base, lane);
+    }
+  }
+};
+
 // Waits for the CTA's K and V, then runs body(k, the step, next_step, the Q/dO ring's read state)
 // for every step of the walk (the k-th walked), advancing the ring after each; next_step() is the
-// index of the step walked after it. With a mask's summaries to skip by, each lane loads the
-// summary of one of the 32 steps that follow before the body, and a ballot after it (or where the
-// body first asks) picks the first with a visible key, whose summary also tells the next step
-// whether its tile is full (BwdStep::mask_full): the MMA warpgroups do not wait for an L2 read at
-// the top of a step. (A load whose address is the same on every lane goes to a uniform register
-// at once, which waits for the data right there.)
+// index of the step walked after it. With a mask's summaries to skip by, the MMA warps pick the
+// next step from a window of the summaries of the steps ahead (BwdStepWindow), loaded ahead so that
+// the ballot, after the body (or where it first asks), waits for no L2 read; the next step's
+// summaries also tell it whether its tile is full (BwdStep::mask_full).
 template <typename Traits, int kPolicies, typename Storage, typename Body>
 __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, Storage& ss, const BwdWalk& walk,
                                                   Body&& body) {
@@ -241,23 +290,26 @@ __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, St
   const bool skips = bwd_skips_empty_steps<Traits, kPolicies>(p);
   const int lane = int(threadIdx.x % 32);
   BwdStep st = walk.step(walk.first, p.heads);
-  BwdStepSummaries<kMaskWalk ? Traits::kBlockM / kMaskTileRows : 1> current{};  // the step's own, when skipping
+  BwdStepWindow<Traits> window;
+  typename BwdStepWindow<Traits>::Summaries current{};  // the step's own, when skipping
   if constexpr (kMaskWalk)
-    if (skips && walk.first < walk.num_steps) current = bwd_step_summaries(p, walk, st);
+    if (skips && walk.first < walk.num_steps) {
+      const int base = BwdStepWindow<Traits>::base_of(walk.first);
+      window.load(p, walk, base, lane);
+      current = window.mine.from_lane(walk.first - base);
+    }
 #pragma unroll 1
   for (int s = walk.first, k = 0; s < walk.num_steps; ++k) {
     if constexpr (!kCarryStep) st = walk.step(s, p.heads);
     st.mask_full = skips ? int(current.full(st.m_block, p.attn.mask.packed_mask.row_blocks)) : -1;
-    const int ahead_step = s + 1 + lane;
-    decltype(current) ahead{};
-    if constexpr (kMaskWalk)
-      if (skips && ahead_step < walk.num_steps) ahead = bwd_step_summaries(p, walk, walk.step(ahead_step, p.heads));
-    int next = -1, next_lane = -1;  // next_lane: the lane whose look-ahead is the next step
+    int next = -1;
+    typename BwdStepWindow<Traits>::Summaries next_summaries{};
     auto next_step = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       if (next < 0) {
-        const unsigned seen = skips ? __ballot_sync(0xffffffffu, ahead.seen()) : 1u;
-        next_lane = __ffs(seen) - 1;
-        next = seen != 0 ? s + 1 + next_lane : min(bwd_next_step<Traits, kPolicies>(p, walk, s + 32), walk.num_steps);
+        if constexpr (kMaskWalk)
+          next = skips ? window.template next<kPolicies>(p, walk, s, next_summaries) : s + 1;
+        else
+          next = s + 1;
       }
       return next;
     };
@@ -266,8 +318,10 @@ __forceinline__ __device__ void bwd_for_each_step(const BwdParams<Traits>& p, St
     next_step();
     if constexpr (kCarryStep) st = next == s + 1 ? walk.after(st, p.heads) : walk.step(next, p.heads);
     if constexpr (kMaskWalk)
-      if (skips && next < walk.num_steps)
-        current = next_lane >= 0 ? ahead.from_lane(next_lane) : bwd_step_summaries(p, walk, walk.step(next, p.heads));
+      if (skips && next < walk.num_steps) {
+        current = next_summaries;
+        window.advance(p, walk, s, next, lane);
+      }
     s = next;
   }
 }
