@@ -59,6 +59,7 @@ __forceinline__ __device__ int2 bwd_general_m_blocks(const AttentionParams& p, i
 // What every step of a CTA's key block shares.
 struct BwdGeneralBlock {
   SequenceBounds bounds;
+  int full_rows_begin, full_rows_end;  // the query rows of tiles full by position (jfa::full_query_rows)
   SegmentIds kv_ids;  // the key block's segment summary (unknown without segment ids)
   int batch, key0;
   uint32_t k0, k1, stream_batch, threshold;  // dropout: the Philox key, batch coordinate, threshold
@@ -72,6 +73,9 @@ __forceinline__ __device__ BwdGeneralBlock bwd_general_block(const AttentionPara
   b.bounds = sequence_bounds(p, batch);
   b.batch = batch;
   b.key0 = n_block * kBlockN;
+  const KeyRange full = full_query_rows(p, b.bounds, b.key0, kBlockN);  // within [0, valid length]
+  b.full_rows_begin = int(full.begin);
+  b.full_rows_end = int(full.end);
   if constexpr ((kPolicies & kPolicySegments) != 0)
     b.kv_ids = segment_ids(p.mask.kv_segment_chunks, batch, int(p.S), b.key0, kBlockN);
   b.keep_scale = 1.f;
@@ -98,28 +102,32 @@ __forceinline__ __device__ BwdGeneralBlock bwd_block(const AttentionParams& p, i
   return b;
 }
 
-// Whether the tile of query block m_block needs the per-element predicate (positions, the boolean
-// mask, or segment ids that may differ inside it). mask_full: whether the mask's summaries prove
-// the tile full, where the walk read them ahead (BwdStep::mask_full); -1: they are looked up here.
+// Which per-element test the tile of query block m_block needs: none (full), the mask's bits alone
+// (positions and segment ids prove the tile full, only the boolean mask is partial), or the whole
+// predicate (positions, segment ids, the boolean mask). mask_full: whether the mask's summaries
+// prove the tile full, where the walk read them ahead (BwdStep::mask_full); -1: they are looked up
+// here, and a partial tile takes the whole predicate.
+enum class BwdTileTest { kNone, kMaskBits, kElements };
+
 template <int kBlockM, int kBlockN, int kPolicies>
-__forceinline__ __device__ bool bwd_general_partial(const AttentionParams& p, const BwdGeneralBlock& b, int head,
-                                                    int m_block, int mask_full) {
+__forceinline__ __device__ BwdTileTest bwd_general_tile_test(const AttentionParams& p, const BwdGeneralBlock& b,
+                                                             int head, int m_block, int mask_full) {
   const int query0 = m_block * kBlockM;
+  // position_tile_kind's answer, from the rows computed once per key block: per step, its 64-bit
+  // bounds stood before the step's first GEMM.
+  const bool positions_full = query0 >= b.full_rows_begin && query0 + kBlockM <= b.full_rows_end;
+  if (!positions_full) return BwdTileTest::kElements;
+  if constexpr ((kPolicies & kPolicySegments) != 0)
+    if (segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids))
+      return BwdTileTest::kElements;
   // The mask's summaries only in the kernels that read a mask (the call's policy set has one
   // whenever a mask is present): the test's code otherwise costs the others registers.
   if constexpr ((kPolicies & kPolicyBoolMask) != 0) {
-    if (mask_full >= 0) {
-      if (mask_full == 0 || position_tile_kind(p, b.bounds, query0, kBlockM, b.key0, kBlockN) != TileKind::kFull)
-        return true;
-    } else if (general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN)) {
-      return true;
-    }
-  } else if (position_tile_kind(p, b.bounds, query0, kBlockM, b.key0, kBlockN) != TileKind::kFull) {
-    return true;
+    if (mask_full == 0) return BwdTileTest::kMaskBits;
+    if (mask_full < 0 && general_tile_partial(p, b.bounds, b.batch, head, query0, kBlockM, b.key0, kBlockN))
+      return BwdTileTest::kElements;
   }
-  if constexpr ((kPolicies & kPolicySegments) != 0)
-    return segments_split(p, segment_ids(p.mask.q_segment_chunks, b.batch, int(p.T), query0, kBlockM), b.kv_ids);
-  return false;
+  return BwdTileTest::kNone;
 }
 
 // Dropout's keep bits of a thread's elements of one step, bit 2c + e for element e of column pair
@@ -186,10 +194,12 @@ __forceinline__ __device__ BwdQuery bwd_query(const AttentionParams& p, const Bw
 
 // What a step's tile needs of the element pass, from the cheapest: kPlain, the plain path's work
 // (with dropout's multiplier); kModified, soft-capping and ALiBi on a tile every element of which
-// is visible; kGeneral, the per-element predicate (partial tiles) and the bias. bwd_step picks the
-// cheapest that covers the tile: most tiles of a windowed, segmented or length-limited call are
-// full and take kPlain, as they would on the plain kernel.
-enum class BwdTilePass { kPlain, kModified, kGeneral };
+// is visible; kMaskBits, kModified with the mask's bit as the only test (BwdTileTest::kMaskBits);
+// kGeneral, the per-element predicate (partial tiles) and the bias. bwd_step picks the cheapest
+// that covers the tile: most tiles of a windowed, segmented or length-limited call are full and
+// take kPlain, as they would on the plain kernel, and the partial tiles of a boolean mask alone
+// skip the positions' per-query bounds.
+enum class BwdTilePass { kPlain, kModified, kMaskBits, kGeneral };
 
 // The element pass (the header's comment) for the kernel of policy set kPolicies (mask_policies.h: the
 // features it compiles code for; the call's pointers say which of them it uses) over a step's
@@ -221,7 +231,8 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
   const float slope_log2 =
       kAlibi && kModified && m.alibi_slopes != nullptr ? m.alibi_slope(b.batch, head) * kLog2eF : 0.f;
   const int pos0 = query0 + int(b.bounds.offset) - b.key0;
-  const bool mask_test = kBoolMask && kGeneral && partial && mask.loaded;
+  constexpr bool kMaskBits = kPass == BwdTilePass::kMaskBits;
+  const bool mask_test = kBoolMask && (kGeneral || kMaskBits) && partial && mask.loaded;
   // This (batch, head)'s planes of the bias and d(bias) (null: none).
   const float* bias = kBias && kGeneral && m.bias != nullptr
                           ? m.bias + b.batch * m.bias_strides.batch + head * m.bias_strides.head : nullptr;
@@ -276,6 +287,8 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
           visible_here = j >= q.lo && j < q.hi;
           if (kv_seg != nullptr) visible_here = visible_here && kv_seg[j] == q.seg;
           if (mask_test) visible_here = visible_here && mask.test(c, e);
+        } else if (kMaskBits) {
+          visible_here = mask.test(c, e);  // bwd_step takes this pass only with the step's bits loaded
         }
         float x = s(r, cc) * p.scale_log2;
         if (softcap) {
@@ -287,7 +300,14 @@ __forceinline__ __device__ float bwd_tile_elements(Scores& s, Grads& dp, Coords 
         if constexpr (kAlibi) x = fmaf(-slope_log2, float(abs_dist), x);
         if (bias != nullptr && visible_here)
           x = fmaf(bias[int64_t(i) * m.bias_strides.row + int64_t(j) * m.bias_strides.col], kLog2eF, x);
-        prob = visible_here ? exp2f(x - lse_i) : 0.f;
+        if constexpr (kMaskBits) {
+          // The exponential of every element, then a select: predicated per element, ptxas
+          // reloaded the scale from the constant bank for each one.
+          const float every = exp2f(x - lse_i);
+          prob = visible_here ? every : 0.f;
+        } else {
+          prob = visible_here ? exp2f(x - lse_i) : 0.f;
+        }
         (void)i;
       }
       float z = 1.f;
@@ -355,7 +375,8 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
         },
         [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
   } else {
-    const bool partial = bwd_general_partial<kBlockM, kBlockN, kPolicies>(p, block, head, m_block, mask_full);
+    const BwdTileTest test = bwd_general_tile_test<kBlockM, kBlockN, kPolicies>(p, block, head, m_block, mask_full);
+    const bool partial = test != BwdTileTest::kNone;
     const MaskParams& m = p.mask;
     constexpr bool kSoftcap = (kPolicies & kPolicySoftcap) != 0, kAlibi = (kPolicies & kPolicyAlibi) != 0;
     constexpr bool kBias = (kPolicies & kPolicyBias) != 0, kBoolMask = (kPolicies & kPolicyBoolMask) != 0;
@@ -378,7 +399,13 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
                 scores, grads, coords, lse_log2, d, p, block, head, query0, partial, keep, step_mask);
           };
           using Pass = BwdTilePass;
-          if (partial || (kBias && m.bias != nullptr)) {
+          const bool bias = kBias && m.bias != nullptr;
+          bool mask_bits_only = false;
+          if constexpr (kBoolMask)
+            mask_bits_only = test == BwdTileTest::kMaskBits && !bias && step_mask.loaded;
+          if (mask_bits_only) {
+            if constexpr (kBoolMask) slope_dot = pass(std::integral_constant<Pass, Pass::kMaskBits>{});
+          } else if (partial || bias) {
             slope_dot = pass(std::integral_constant<Pass, Pass::kGeneral>{});
           } else if constexpr (kSoftcap || kAlibi) {
             if (m.softcap > 0.f || m.alibi_slopes != nullptr)

@@ -199,6 +199,25 @@ JFA_HOST_DEVICE KeyRange mask_narrowed_queries(const AttentionParams& p, int64_t
   return KeyRange{begin, max_i64(min_i64(r.end, int64_t(last + 1) * kMaskTileRows), begin)};
 }
 
+// Query rows whose tiles against keys [j0, j0 + cols) position_tile_kind calls full: a tile of
+// rows [i0, i0 + rows) (rows, cols >= 1, i0 >= 0) is kFull exactly when begin <= i0 and
+// i0 + rows <= end. It is position_tile_kind's test solved for i0, which key_lo / key_hi being
+// non-decreasing in i allows: kernels that walk the query blocks of one key block (the GPU
+// backward) compute it once rather than the tile kind per block.
+JFA_HOST_DEVICE KeyRange full_query_rows(const AttentionParams& p, const SequenceBounds& s, int64_t j0,
+                                         int64_t cols) {
+  const int64_t j1 = j0 + cols;
+  if (j1 > s.kv_len) return KeyRange{0, 0};
+  int64_t begin = 0, end = s.q_len;  // rows past the valid length are never full
+  // key_hi(i0) >= j1 for the first row: causal i0 + offset + 1 >= j1, right window
+  // i0 + offset + right + 1 >= j1 (later rows see at least as far).
+  if (p.is_causal) begin = max_i64(begin, j1 - s.offset - 1);
+  if (p.mask.window_right >= 0) begin = max_i64(begin, j1 - s.offset - p.mask.window_right - 1);
+  // key_lo(last) <= j0 for the last row: last + offset - left <= j0.
+  if (p.mask.window_left >= 0) end = min_i64(end, j0 - s.offset + p.mask.window_left + 1);
+  return end > begin ? KeyRange{begin, end} : KeyRange{0, 0};
+}
+
 enum class TileKind { kSkip, kFull, kPartial };
 
 // Classifies tile rows [i0, i0 + rows) x keys [j0, j0 + cols) by position. Segment ids and the
