@@ -19,7 +19,8 @@ from pathlib import Path
 
 PASS_ORDER = ("fwd", "bwd", "fwdbwd", "attn_dist")
 IMPL_COLORS = {"jax_flashattn": "tab:red", "jax_flashattn_sm80": "tab:orange", "cudnn": "tab:blue",
-               "xla": "tab:gray", "fa3": "tab:green", "torch_cudnn": "tab:purple", "torch_fa2": "tab:brown", "tokamax": "tab:olive"}
+               "xla": "tab:gray", "fa3": "tab:green", "tokamax": "tab:olive", "torch_cudnn": "tab:purple",
+               "torch_fa2": "tab:brown"}
 ANCHOR_MARKERS = ("x", "+", "1", "2", "3", "4")
 
 
