@@ -20,6 +20,8 @@ import collections
 import re
 import sys
 
+from ncu_source_summary import opcode  # an instruction's opcode without its predicate and modifiers
+
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LANDMARK = re.compile(r"HGMMA|WARPGROUP\.(DEPBAR|ARRIVE)|BAR\.(SYNC|ARV)|SYNCS\.(PHASECHK|ARRIVE)|UBLKRED")
 BRANCH = re.compile(r"\bBRA(?:\.\w+)* (?:!?U?P\d, )?(0x[0-9a-f]+)")
@@ -45,13 +47,6 @@ def pick(found, substring):
         listing = "\n  ".join(names or found)
         raise SystemExit(f"{len(names)} kernels match {substring!r}; the candidates:\n  {listing}")
     return names[0], [text for _, text in found[names[0]]]
-
-
-def opcode(text):
-    words = text.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
 
 
 def skeleton(code, min_gap=40):

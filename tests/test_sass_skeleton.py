@@ -42,8 +42,9 @@ def listing(names):
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
-def tool():
+@pytest.fixture
+def tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling ncu_source_summary, as when run as a script
     spec = importlib.util.spec_from_file_location("sass_skeleton", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
