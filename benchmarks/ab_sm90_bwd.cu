@@ -62,6 +62,17 @@ auto alloc_dkv_accum(P& p, int B, int K, int H, int) -> decltype(p.dkv_accum_row
 template <typename P>
 float* alloc_dkv_accum(P&, int, int, int, long) { return nullptr; }
 
+// The workspace of a [1, 1, T, S] mask's bits by key, in trees whose backward makes them.
+template <typename P>
+auto alloc_mask_key_bits(P& p, int T, int S, int) -> decltype(p.mask_key_bits = nullptr, (uint32_t*)nullptr) {
+  uint32_t* bits = nullptr;
+  CK(cudaMalloc(&bits, size_t(jfa::mask_chunks(S)) * jfa::kMaskChunkKeys * jfa::mask_words(T) * 4));
+  p.mask_key_bits = bits;
+  return bits;
+}
+template <typename P>
+uint32_t* alloc_mask_key_bits(P&, int, int, long) { return nullptr; }
+
 struct Case { int T, N, K; bool causal; };
 constexpr Case kCases[] = {{1024, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {4096, 2048 / AB_HDIM, 2048 / AB_HDIM, false},
                            {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, false}, {16384, 2048 / AB_HDIM, 2048 / AB_HDIM, true},
@@ -126,7 +137,11 @@ void run_case(const Case& c, int rounds, Mode mode) {
   }
   uint32_t* mask_bits = nullptr;
   uint8_t* mask_tiles = nullptr;
-  if (is_mask(mode)) p.mask.packed_mask = ab::packed_mask(pattern_of(mode), T, S, &mask_bits, &mask_tiles);
+  uint32_t* mask_key_bits = nullptr;  // the bits by key that the backward makes (params.h)
+  if (is_mask(mode)) {
+    p.mask.packed_mask = ab::packed_mask(pattern_of(mode), T, S, &mask_bits, &mask_tiles);
+    mask_key_bits = alloc_mask_key_bits(p, T, S, 0);
+  }
   CK(cudaMalloc(&stats, size_t(2) * B * c.N * p.dq_accum_rows() * 4));
   p.dq_accum = accum;
   p.softmax_d = stats;
@@ -174,6 +189,7 @@ void run_case(const Case& c, int rounds, Mode mode) {
   if (semaphores != nullptr) CK(cudaFree(semaphores));
   if (seeds != nullptr) CK(cudaFree(seeds));
   if (mask_bits != nullptr) CK(cudaFree(mask_bits));
+  if (mask_key_bits != nullptr) CK(cudaFree(mask_key_bits));
   if (mask_tiles != nullptr) CK(cudaFree(mask_tiles));
   CK(cudaStreamDestroy(stream));
 }

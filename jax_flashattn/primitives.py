@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from . import _ext
 from ._compat import Primitive, apply_primitive, mlir, varying_axes
-from ._mask_packing import lower_packing, pack_mask_kernel_p
+from ._mask_packing import lower_packing, pack_mask_kernel_p, packed_shapes
 from ._options import Extras
 from ._segment_chunks import segment_chunks
 
@@ -249,8 +249,14 @@ def _cuda_backward(q, k, v, o, lse, do, dlse, *extras, scale, config):
     K, S = k.shape[2], k.shape[1]
     gqa = N > K and config.is_causal and not config.deterministic
     shapes.append(jax.ShapeDtypeStruct((2, B, K, _dkv_accum_rows(S), cols) if gqa else (), jnp.float32))
-    dq, dk, dv, dbias, dslopes, _, _, _, _ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
-        *padded, lse, _pad_last(do, Hp), dlse, *_cuda_extras(extras, T, k.shape[1]),
+    # With a mask, its bits by key (the Hopper backward's, cuda/sm90/bwd_mask_columns.h): per
+    # unbroadcast (batch, head) of the bits, S rounded up to 128 rows of T's words; else rank 0.
+    handler_extras = _cuda_extras(extras, T, S)
+    bits = handler_extras[_HANDLER_EXTRAS.index("mask_bits")]
+    key_bits = packed_shapes(bits.shape[:2], _dkv_accum_rows(S), T)[0] if bits.ndim else ()
+    shapes.append(jax.ShapeDtypeStruct(key_bits, jnp.uint32))
+    dq, dk, dv, dbias, dslopes, *_ = jax.ffi.ffi_call(_ext.BACKWARD_TARGET, shapes)(
+        *padded, lse, _pad_last(do, Hp), dlse, *handler_extras,
         *_segment_operands(extras), **_mask_ffi_attrs(scale, config),
         deterministic=np.int32(config.deterministic))
     if dbias.shape != extras[0].shape:  # full-shape d(bias): sum the bias's broadcast axes here

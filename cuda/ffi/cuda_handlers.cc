@@ -89,11 +89,13 @@ using ffi_decode::invalid;
   JFA_ATTRS(ATTR)
 // dslopes: float32 [B, N, ceil(S/64)] partial sums. Workspace: dq_accum float32 [lanes, B, N,
 // padded T, C], softmax_d float32 [2, B, N, padded T], dq_semaphore int32 [lanes, B, N, ceil(T/64)],
-// dkv_accum float32 [2, B, K, padded S, C] (causal GQA; else rank 0), C = cuda_accum_cols(H).
+// dkv_accum float32 [2, B, K, padded S, C] (causal GQA; else rank 0), C = cuda_accum_cols(H),
+// mask_key_bits uint32 [B or 1, N or 1, S rounded up to 128, mask_words(T)] (with a mask, the
+// bits' broadcast axes; else rank 0).
 #define JFA_CUDA_BACKWARD(ARG, RET, ATTR)                                                     \
   JFA_BACKWARD_TENSORS(ARG) JFA_MASK_OPERANDS(ARG) JFA_SEGMENT_CHUNK_OPERANDS(ARG)             \
   JFA_BACKWARD_RESULTS(RET) RET(dq_accum) RET(softmax_d) RET(dq_semaphore) RET(dkv_accum)    \
-  JFA_ATTRS(ATTR) ATTR(int32_t, deterministic)
+  RET(mask_key_bits) JFA_ATTRS(ATTR) ATTR(int32_t, deterministic)
 
 struct ForwardCall {
   cudaStream_t stream;
@@ -212,6 +214,20 @@ ffi::Error BackwardCuda(BackwardCall c) {
         e.failure())
       return e;
     p.dkv_accum = static_cast<float*>(c.dkv_accum->untyped_data());
+  }
+  // The mask's bits by key, which the Hopper backward makes (sm90/bwd_mask_columns.h): rank 0
+  // where the lowering has no mask.
+  if (c.mask_key_bits->dimensions().size() != 0) {
+    const PackedMaskView& m = p.mask.packed_mask;
+    const int64_t batches = m.bits_batch_stride != 0 ? p.B : 1, heads = m.bits_head_stride != 0 ? p.N : 1;
+    if (auto e = ffi_decode::expect(*c.mask_key_bits, "mask key-bits workspace",
+                                    {batches, heads, mask_chunks(p.S) * kMaskChunkKeys, mask_words(p.T)},
+                                    ffi::DataType::U32);
+        e.failure())
+      return e;
+    p.mask_key_bits = static_cast<uint32_t*>(c.mask_key_bits->untyped_data());
+  } else if (p.mask.packed_mask.present()) {
+    return invalid("a mask's backward needs the mask key-bits workspace, got a rank-0 placeholder");
   }
   p.dq_accum = static_cast<float*>(c.dq_accum->untyped_data());
   p.softmax_d = static_cast<float*>(c.softmax_d->untyped_data());

@@ -390,7 +390,7 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
         mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP,
         [&](auto&) {
           if constexpr (kBoolMask)
-            if (step_mask.loaded) step_mask.finish(block.key0, coords);
+            if (step_mask.loaded) step_mask.finish();
         },
         [&](auto& scores, auto& grads) {
           float slope_dot = 0.f;

@@ -1,4 +1,4 @@
-// Host side of the Hopper backward: three launches on the call's stream (no allocation, no
+// Host side of the Hopper backward: its launches on the call's stream (no allocation, no
 // synchronization: CUDA-graph safe). Each instantiation file (cuda/generate_instantiations.py)
 // instantiates run_bwd for one (dtype, head dim), and the general path's run_bwd_policies for
 // each policy set (mask_policies.h's kBwd*Set) in files of their own, so that they compile in parallel.
@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "bwd_kernel.h"
+#include "bwd_mask_columns.h"
 #include "bwd_postprocess.h"
 #include "bwd_traits.h"
 #include "jfa/bwd_row_stats.cuh"
@@ -37,8 +38,12 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   if ((err = launch_bwd_row_stats<Element, kHeadDim>(p, stream)) != cudaSuccess) return err;
+  // A mask's bits by key, for the tiles that hold keys in rows (bwd_mask_columns.h).
+  AttentionParams with_key_bits = p;
+  if constexpr ((kPolicies & kPolicyBoolMask) != 0 && !Traits::kSplitHead)
+    if ((err = transpose_mask_bits(with_key_bits, /*every_block=*/p.deterministic, stream)) != cudaSuccess) return err;
 
-  BwdParams<Traits> kp = make_bwd_params<Traits>(p);
+  BwdParams<Traits> kp = make_bwd_params<Traits>(with_key_bits);
   const int group = int(p.N / p.K);
   // Causal GQA: a CTA per query head of the group, adding its partial dK and dV into the float32
   // workspace, rather than one walking the whole group. Causal CTAs of one K/V head end at

@@ -1,7 +1,9 @@
 // jax_flashattn.pack_mask's CUDA kernel (cuda/packed_mask/pack_mask.cu) checked from C++, without
 // JAX: its bits and tile summaries against the CPU packer's (cuda/cpu/pack_mask.cc), bit for bit,
 // on odd sizes, broadcast row and key axes, rows that are not 16-byte aligned and masks holding bytes
-// other than 0 and 1; nothing may be written past either output. `--bench` also times the kernel.
+// other than 0 and 1, and the Hopper backward's bits by key made from them
+// (cuda/sm90/bwd_mask_columns.h) against the mask; nothing may be written past any output.
+// `--bench` also times the packing kernel.
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Icuda/include -Icuda tests/cuda/pack_mask_check.cu \
 //        cuda/packed_mask/pack_mask.cu cuda/cpu/pack_mask.cc cuda/cpu/parallel_for.cc -o /tmp/pack_mask_check
 //   /tmp/pack_mask_check [--bench] [seed]
@@ -14,6 +16,7 @@
 #include "check_util.h"  // CK
 #include "cpu/pack_mask.h"
 #include "packed_mask/pack_mask.h"
+#include "sm90/bwd_mask_columns.h"
 
 namespace {
 
@@ -40,6 +43,71 @@ uint8_t element(Pattern pattern, int64_t slice, int64_t i, int64_t j, std::mt199
     case Pattern::kAll: return 1;
   }
   return 0;
+}
+
+// The bits by key that the Hopper backward makes from `device_bits` (sm90/bwd_mask_columns.h)
+// against the mask itself: key j's row holds query i at bit 2·(i % 128 / 8) + i % 2 of word
+// 4·(i / 128) + (i % 8) / 2, zero past T and S; nothing may be written past the workspace. Without
+// every_block, a block of 128 keys by 128 queries that the mask leaves empty may stay unwritten (the
+// backward skips its steps); every other block must be exact.
+int check_key_bits(const Case& c, const uint8_t* mask, const uint32_t* device_bits, const uint8_t* device_tiles,
+                   bool every_block) {
+  jfa::AttentionParams p;
+  p.B = c.slices;
+  p.N = 1;
+  p.T = c.T;
+  p.S = c.S;
+  jfa::PackedMaskView& view = p.mask.packed_mask;
+  view.bits = device_bits;
+  view.words = jfa::mask_words(c.S);
+  view.bits_batch_stride = c.slices > 1 ? c.T * view.words : 0;
+  view.tiles = device_tiles;  // the transposer takes whole-tile blocks from their summaries
+  view.chunks = jfa::mask_chunks(c.S);
+  view.row_blocks = jfa::mask_row_blocks(c.T);
+  view.tiles_batch_stride = c.slices > 1 ? view.row_blocks * view.chunks : 0;
+  const int64_t rows = jfa::mask_chunks(c.S) * jfa::kMaskChunkKeys, words = jfa::mask_words(c.T);
+  const size_t n = size_t(c.slices * rows * words);
+  uint32_t* key_bits;
+  CK(cudaMalloc(&key_bits, (n + 1) * 4));
+  CK(cudaMemset(key_bits, 0xAB, (n + 1) * 4));
+  p.mask_key_bits = key_bits;
+  CK(jfa::sm90::transpose_mask_bits(p, every_block, 0));
+  CK(cudaDeviceSynchronize());
+  std::vector<uint32_t> got(n + 1);
+  CK(cudaMemcpy(got.data(), key_bits, (n + 1) * 4, cudaMemcpyDeviceToHost));
+  CK(cudaFree(key_bits));
+  const int64_t mask_rows = c.rows_broadcast ? 1 : c.T, mask_keys = c.keys_broadcast ? 1 : c.S;
+  auto want = [&](int64_t s, int64_t i, int64_t j) {
+    return i < c.T && j < c.S &&
+           mask[(s * mask_rows + (c.rows_broadcast ? 0 : i)) * mask_keys + (c.keys_broadcast ? 0 : j)] != 0;
+  };
+  const int64_t blocks = words / jfa::kMaskChunkWords;
+  std::vector<char> block_set(size_t(c.slices * (rows / jfa::kMaskChunkKeys) * blocks), 0);
+  auto set_of = [&](int64_t s, int64_t j, int64_t i) -> char& {
+    return block_set[size_t((s * (rows / jfa::kMaskChunkKeys) + j / jfa::kMaskChunkKeys) * blocks +
+                            i / jfa::kMaskChunkKeys)];
+  };
+  for (int64_t s = 0; s < c.slices; ++s)
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t i = 0; i < words * 32; ++i)
+        if (want(s, i, j)) set_of(s, j, i) = 1;
+  int bad = 0;
+  for (int64_t s = 0; s < c.slices; ++s)
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t i = 0; i < words * 32; ++i) {
+        if (!every_block && !set_of(s, j, i)) continue;
+        const int64_t x = i % jfa::kMaskChunkKeys;
+        const uint32_t word = got[size_t((s * rows + j) * words + 4 * (i / jfa::kMaskChunkKeys) + (x % 8) / 2)];
+        const bool bit = (word >> (2 * (x / 8) + x % 2)) & 1u;
+        if (bit != want(s, i, j) && bad++ < 5)
+          std::printf("  key bits (every block %d): slice %lld key %lld query %lld: %d, the mask's %d\n",
+                      int(every_block), (long long)s, (long long)j, (long long)i, int(bit), int(want(s, i, j)));
+      }
+  if (got[n] != 0xABABABABu) {
+    std::printf("  key bits: wrote past the end\n");
+    ++bad;
+  }
+  return bad;
 }
 
 // Packs the case's mask on the GPU and compares; returns the number of mismatches.
@@ -76,6 +144,8 @@ int check(const Case& c, std::mt19937& rng) {
   m.data = device_mask + c.offset;
   CK(jfa::gpu::pack_mask(m, bits, tiles, 0));
   CK(cudaDeviceSynchronize());
+  int bad = check_key_bits(c, host.data() + c.offset, bits, tiles, /*every_block=*/true) +
+            check_key_bits(c, host.data() + c.offset, bits, tiles, /*every_block=*/false);
   std::vector<uint32_t> got_bits(nb + 1);
   std::vector<uint8_t> got_tiles(nt + 1);
   CK(cudaMemcpy(got_bits.data(), bits, (nb + 1) * 4, cudaMemcpyDeviceToHost));
@@ -84,7 +154,6 @@ int check(const Case& c, std::mt19937& rng) {
   CK(cudaFree(bits));
   CK(cudaFree(tiles));
 
-  int bad = 0;
   for (size_t k = 0; k < nb; ++k)
     if (got_bits[k] != want_bits[k] && bad++ < 5)
       std::printf("  word %zu: %08x, the host packer's %08x\n", k, got_bits[k], want_bits[k]);

@@ -547,12 +547,14 @@ struct BenchProblem {
   ~BenchProblem() {
     for (auto& b : bufs) cudaFree(b);
     for (auto& b : bwd_bufs) cudaFree(b);
+    cudaFree(mask_key_bits);
     cudaFree(lse);
   }
 
   // The Hopper backward's operands and workspace (params.h), the LSE from one forward call; with
   // ALiBi d(slopes) too. Backward FLOPs: 2.5 x the forward's.
   void* bwd_bufs[8] = {};
+  uint32_t* mask_key_bits = nullptr;
   void enable_backward(cudaStream_t s) {
     const size_t n = size_t(p.B) * p.T * p.N * p.H, rows = size_t(p.B) * p.N * p.dq_accum_rows();
     // Every lane of the deterministic run's dQ accumulator and semaphores.
@@ -574,6 +576,11 @@ struct BenchProblem {
     if (p.mask.alibi_slopes != nullptr) {
       p.mask.dslopes = static_cast<float*>(bwd_bufs[7]);
       p.mask.dslope_slots = (p.S + jfa::kDslopeKeys - 1) / jfa::kDslopeKeys;
+    }
+    if (p.mask.packed_mask.present()) {  // the mask's bits by key (params.h: mask_key_bits), any slices
+      const size_t words = size_t(p.B) * p.N * jfa::mask_chunks(p.S) * jfa::kMaskChunkKeys * jfa::mask_words(p.T);
+      CK(cudaMalloc(&mask_key_bits, words * 4));
+      p.mask_key_bits = mask_key_bits;
     }
     CK(jfa::sm90::forward(p, s));
     backward_flops = 2.5 * flops;

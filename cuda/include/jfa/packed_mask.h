@@ -94,8 +94,19 @@ struct PackedMaskView {
   int64_t row_blocks = 0;   // mask_row_blocks(T)
   int64_t bits_batch_stride = 0, bits_head_stride = 0;    // elements
   int64_t tiles_batch_stride = 0, tiles_head_stride = 0;  // elements
+  // The same bits by key (the Hopper backward's, whose score tiles hold keys in rows): row j holds
+  // key j's bits over the queries in the layout above with queries for keys (query x of a chunk of
+  // 128 at bit 2·(x / 8) + x % 2 of word (x % 8) / 2), mask_words(T) words per row, rows up to S
+  // rounded up to 128 (zero past S). Made per backward call by transpose_mask_bits; null elsewhere.
+  const uint32_t* key_bits = nullptr;
+  int64_t key_words = 0, key_rows = 0;
+  int64_t key_bits_batch_stride = 0, key_bits_head_stride = 0;  // elements; 0 on a broadcast axis
 
   JFA_HOST_DEVICE bool present() const { return bits != nullptr; }
+  // The words of key row j of (batch b, head n) in key_bits.
+  JFA_HOST_DEVICE const uint32_t* key_row(int64_t b, int64_t n, int64_t j) const {
+    return key_bits + b * key_bits_batch_stride + n * key_bits_head_stride + j * key_words;
+  }
   // The words of query row i of (batch b, head n).
   JFA_HOST_DEVICE const uint32_t* row(int64_t b, int64_t n, int64_t i) const {
     return bits + b * bits_batch_stride + n * bits_head_stride + i * words;

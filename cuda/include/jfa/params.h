@@ -246,6 +246,10 @@ struct AttentionParams {
   // their own, which add their partial dK and dV here (zeroed by its launcher) instead of storing
   // them.
   float* dkv_accum = nullptr;
+  // The Hopper backward's workspace for a mask's bits by key (PackedMaskView::key_bits), which it
+  // makes before its kernel: uint32 [B or 1, N or 1, S rounded up to 128, mask_words(T)] (the bits'
+  // broadcast axes). Null where no backward with a mask runs.
+  uint32_t* mask_key_bits = nullptr;
   // Columns of a dq_accum and dkv_accum row (0: H). The Hopper backward runs a head dim between
   // its kernels' on the next larger kernel (sm90/api.h, kernel_head_dim), whose partial sums span
   // that kernel's width, so it takes such a call only where the workspace rows are that wide.
