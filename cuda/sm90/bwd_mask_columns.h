@@ -16,63 +16,82 @@
 
 namespace jfa::sm90 {
 
-// Key x's words over 128 queries of a block whose two 64-query halves the summaries prove empty or
-// full (`full_lo`, `full_hi`): a query's bit is set where its half is full and it lies before T
-// (the bits' keys past S are zero: the packing's summaries count in-range elements only).
-__device__ __forceinline__ uint4 mask_words_of_kinds(bool full_lo, bool full_hi, int64_t i0, int64_t T, bool key_in) {
-  uint32_t out[kMaskChunkWords] = {0u, 0u, 0u, 0u};
+// Word `word` of a key's row over the 128 queries from i0 of a block whose two 64-query halves
+// the summaries prove empty or full (`full_lo`, `full_hi`): its bit 2·a + e is query
+// 8·a + 2·word + e, so the lower half's queries are its low 16 bits. Queries past T are cleared
+// (a loop only in the chunk that holds T).
+__device__ __forceinline__ uint32_t mask_word_of_kinds(bool full_lo, bool full_hi, int word, int64_t i0, int64_t T) {
+  uint32_t bits = (full_lo ? 0x0000FFFFu : 0u) | (full_hi ? 0xFFFF0000u : 0u);
+  const int64_t valid = T - i0;
+  if (valid < kMaskChunkKeys)
+    for (int b = 0; b < 32; ++b)
+      if (8 * (b >> 1) + 2 * word + (b & 1) >= valid) bits &= ~(1u << b);
+  return bits;
+}
+
+// A 32 x 32 bit matrix held a row per lane (bit c of lane l: element (l, c)) transposed in place
+// (bit c of lane l becomes element (c, l)): five rounds, each swapping the off-diagonal blocks of
+// the next smaller block size between lane pairs.
+__device__ __forceinline__ uint32_t transpose_bits_32x32(uint32_t x, int lane) {
+  constexpr uint32_t kLow[5] = {0x0000FFFFu, 0x00FF00FFu, 0x0F0F0F0Fu, 0x33333333u, 0x55555555u};
 #pragma unroll
-  for (int q = 0; q < kMaskChunkKeys; ++q)
-    if ((q < kMaskTileRows ? full_lo : full_hi) && i0 + q < T && key_in)
-      out[(q % 8) / 2] |= 1u << (2 * (q / 8) + q % 2);
-  return make_uint4(out[0], out[1], out[2], out[3]);
+  for (int r = 0; r < 5; ++r) {
+    const int j = 16 >> r;
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, x, j);
+    x = (lane & j) == 0 ? (x & kLow[r]) | ((other & kLow[r]) << j) : (x & ~kLow[r]) | ((other >> j) & kLow[r]);
+  }
+  return x;
 }
 
 // One block per (128 keys, 128 queries, mask slice). Where the block's two tile summaries are
 // each empty or full (every block of a block mask of whole tiles), its words follow from them and
-// no bit is read; otherwise the 128 query rows' words of the key chunk go to shared memory, then
-// thread x writes key x's 4 words over the 128 queries. Bits past T and S are zero, as in the bits
-// (their packing writes zeros past S; rows past T read as zeros here). A block whose two tiles are
-// empty is left unwritten unless `every_block`: a walk that skips empty steps never reads it (a
-// step lies in one block's key chunk and in one or both of its query halves), and the writes of a
-// sparse mask's empty blocks would cost more than the kernel saves on it.
+// no bit is read. A block whose two tiles are empty is left unwritten unless `every_block`: a
+// walk that skips empty steps never reads it (a step lies in one block's key chunk and in one or
+// both of its query halves), and the writes of a sparse mask's empty blocks would cost more than
+// the kernel saves on it. Otherwise the 128 query rows' words of the key chunk go to shared
+// memory and the block is 16 transposes of 32 x 32 bits: word w of a query row holds the keys
+// 8·a + 2·w + e (bit 2·a + e), and word w' of a key row the queries 8·a' + 2·w' + e in the same
+// order, so the keys of word w against the queries of word w' are one 32 x 32 bit matrix, which
+// warp w transposes for each w'. Bits past T and S are zero, as in the bits (their packing writes
+// zeros past S; rows past T read as zeros here).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) transpose_mask_bits_kernel(PackedMaskView m, int64_t T, int64_t S,
                                                                        int64_t heads, bool every_block) {
   static_assert(kThreads == kMaskChunkKeys && kMaskChunkWords == 4 && kMaskChunkKeys == 2 * kMaskTileRows,
-                "a thread per key and per query row of a chunk; two tile summaries per chunk of queries");
+                "a thread per query row of a chunk, a warp per word; two tile summaries per chunk of queries");
   __shared__ uint4 rows[kMaskChunkKeys];
   const int key_chunk = int(blockIdx.x), query_chunk = int(blockIdx.y), t = int(threadIdx.x);
   const int64_t slice = blockIdx.z, b = slice / heads, n = slice % heads;
-  const int64_t j = int64_t(key_chunk) * kMaskChunkKeys + t;
-  uint32_t* dst = const_cast<uint32_t*>(m.key_bits) + slice * m.key_rows * m.key_words + j * m.key_words +
-                  query_chunk * kMaskChunkWords;
+  const int64_t i0 = int64_t(query_chunk) * kMaskChunkKeys, key0 = int64_t(key_chunk) * kMaskChunkKeys;
+  uint32_t* plane = const_cast<uint32_t*>(m.key_bits) + slice * m.key_rows * m.key_words + query_chunk * kMaskChunkWords;
   const int64_t rb = 2 * int64_t(query_chunk);
   const MaskTileKind lo = m.tile(b, n, rb, key_chunk);
   const MaskTileKind hi = rb + 1 < m.row_blocks ? m.tile(b, n, rb + 1, key_chunk) : MaskTileKind::kEmpty;
   if (lo == MaskTileKind::kEmpty && hi == MaskTileKind::kEmpty && !every_block) return;
   if (lo != MaskTileKind::kPartial && hi != MaskTileKind::kPartial) {  // the same for the whole block
-    *reinterpret_cast<uint4*>(dst) = mask_words_of_kinds(lo == MaskTileKind::kFull, hi == MaskTileKind::kFull,
-                                                         int64_t(query_chunk) * kMaskChunkKeys, T, j < S);
+    const bool key_in = key0 + t < S, full_lo = lo == MaskTileKind::kFull, full_hi = hi == MaskTileKind::kFull;
+    uint32_t out[kMaskChunkWords];
+#pragma unroll
+    for (int w = 0; w < kMaskChunkWords; ++w) out[w] = key_in ? mask_word_of_kinds(full_lo, full_hi, w, i0, T) : 0u;
+    *reinterpret_cast<uint4*>(plane + (key0 + t) * m.key_words) = make_uint4(out[0], out[1], out[2], out[3]);
     return;
   }
-  const int64_t i = int64_t(query_chunk) * kMaskChunkKeys + t;
   uint4 row = make_uint4(0u, 0u, 0u, 0u);
-  if (i < T) {
-    const uint32_t* src = m.row(b, n, i) + key_chunk * kMaskChunkWords;
+  if (i0 + t < T) {
+    const uint32_t* src = m.row(b, n, i0 + t) + key_chunk * kMaskChunkWords;
     row = make_uint4(__ldg(src), __ldg(src + 1), __ldg(src + 2), __ldg(src + 3));
   }
   rows[t] = row;
   __syncthreads();
-  // Key x sits in word (x % 8) / 2 of a query row, at bit 2·(x / 8) + x % 2; query q goes to word
-  // (q % 8) / 2 of the key's row, at bit 2·(q / 8) + q % 2.
-  const int x = t, key_word = (x % 8) / 2, key_bit = 2 * (x / 8) + x % 2;
-  const uint32_t* words_of = reinterpret_cast<const uint32_t*>(rows) + key_word;
-  uint32_t out[kMaskChunkWords] = {0u, 0u, 0u, 0u};
+  // Lane l of warp w: query 8·(l / 2) + 2·w' + l % 2's word w in, key 8·(l / 2) + 2·w + l % 2's word w' out.
+  const int w = t / 32, lane = t % 32;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(rows);
+  uint32_t out[kMaskChunkWords];
 #pragma unroll
-  for (int q = 0; q < kMaskChunkKeys; ++q)
-    out[(q % 8) / 2] |= ((words_of[4 * q] >> key_bit) & 1u) << (2 * (q / 8) + q % 2);
-  *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
+  for (int wq = 0; wq < kMaskChunkWords; ++wq)
+    out[wq] = transpose_bits_32x32(words[4 * (8 * (lane >> 1) + 2 * wq + (lane & 1)) + w], lane);
+  const int64_t key = key0 + 8 * (lane >> 1) + 2 * w + (lane & 1);
+  *reinterpret_cast<uint4*>(plane + key * m.key_words) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // Sets the mask's key_bits to p.mask_key_bits and fills them (nothing without a mask). The

@@ -3,7 +3,7 @@
 // on odd sizes, broadcast row and key axes, rows that are not 16-byte aligned and masks holding bytes
 // other than 0 and 1, and the Hopper backward's bits by key made from them
 // (cuda/sm90/bwd_mask_columns.h) against the mask; nothing may be written past any output.
-// `--bench` also times the packing kernel.
+// `--bench` also times the packing kernel and the transposer.
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Icuda/include -Icuda tests/cuda/pack_mask_check.cu \
 //        cuda/packed_mask/pack_mask.cu cuda/cpu/pack_mask.cc cuda/cpu/parallel_for.cc -o /tmp/pack_mask_check
 //   /tmp/pack_mask_check [--bench] [seed]
@@ -170,6 +170,82 @@ int check(const Case& c, std::mt19937& rng) {
   return bad;
 }
 
+// A mask of random bytes 0 and 1 (every tile partial): element k's from a hash of k.
+__global__ void fill_random_mask(uint8_t* mask, int64_t n) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(k) * 0x9E3779B9u ^ uint32_t(k >> 32);
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    mask[k] = uint8_t(h & 1u);
+  }
+}
+
+// The Hopper backward's transposer (sm90/bwd_mask_columns.h) on a packed random mask (every block
+// transposed) and on an all-true one (every block from its summaries): three rounds, each the
+// mean of 20 back-to-back launches after 3 untimed ones.
+void bench_transpose(int64_t slices, int64_t T, int64_t S) {
+  BooleanMask m;
+  m.slices = slices;
+  m.T = T;
+  m.S = S;
+  m.slice_stride = T * S;
+  m.row_stride = S;
+  m.key_stride = 1;
+  uint8_t *device_mask, *tiles;
+  uint32_t *bits, *key_bits;
+  const int64_t key_words = slices * jfa::mask_chunks(S) * jfa::kMaskChunkKeys * jfa::mask_words(T);
+  CK(cudaMalloc(&device_mask, slices * T * S));
+  CK(cudaMalloc(&bits, slices * T * jfa::mask_words(S) * 4));
+  CK(cudaMalloc(&tiles, slices * jfa::mask_row_blocks(T) * jfa::mask_chunks(S)));
+  CK(cudaMalloc(&key_bits, key_words * 4));
+  m.data = device_mask;
+  jfa::AttentionParams p;
+  p.B = slices;
+  p.N = 1;
+  p.T = T;
+  p.S = S;
+  jfa::PackedMaskView& view = p.mask.packed_mask;
+  view.bits = bits;
+  view.words = jfa::mask_words(S);
+  view.bits_batch_stride = slices > 1 ? T * view.words : 0;
+  view.tiles = tiles;
+  view.chunks = jfa::mask_chunks(S);
+  view.row_blocks = jfa::mask_row_blocks(T);
+  view.tiles_batch_stride = slices > 1 ? view.row_blocks * view.chunks : 0;
+  p.mask_key_bits = key_bits;
+  cudaEvent_t start, stop;
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
+  for (const char* pattern : {"random", "all"}) {
+    if (pattern[0] == 'r')
+      fill_random_mask<<<1024, 256>>>(device_mask, slices * T * S);
+    else
+      CK(cudaMemset(device_mask, 1, slices * T * S));
+    CK(jfa::gpu::pack_mask(m, bits, tiles, 0));
+    for (int round = 0; round < 3; ++round) {
+      constexpr int kLaunches = 20;
+      for (int i = 0; i < 3; ++i) CK(jfa::sm90::transpose_mask_bits(p, false, 0));
+      CK(cudaEventRecord(start));
+      for (int i = 0; i < kLaunches; ++i) CK(jfa::sm90::transpose_mask_bits(p, false, 0));
+      CK(cudaEventRecord(stop));
+      CK(cudaEventSynchronize(stop));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, start, stop));
+      ms /= kLaunches;
+      std::printf("bench transpose %s slices %lld T %lld S %lld round %d %.4f ms (%.0f GB/s of bits written)\n",
+                  pattern, (long long)slices, (long long)T, (long long)S, round, ms,
+                  double(key_words) * 4 / 1e9 / (ms * 1e-3));
+    }
+  }
+  CK(cudaEventDestroy(start));
+  CK(cudaEventDestroy(stop));
+  CK(cudaFree(device_mask));
+  CK(cudaFree(bits));
+  CK(cudaFree(tiles));
+  CK(cudaFree(key_bits));
+}
+
 // Three rounds, each the mean of 20 back-to-back launches after 3 untimed ones.
 void bench(int64_t slices, int64_t T, int64_t S) {
   BooleanMask m;
@@ -238,6 +314,8 @@ int main(int argc, char** argv) {
     bench(8, 2048, 2048);  // the Flax training step's [B, 1, T, T] mask
     bench(4, 4096, 4096);
     bench(1, 16384, 16384);
+    bench_transpose(1, 16384, 16384);
+    bench_transpose(16, 4096, 4096);  // a mask per head
   }
   return failures != 0;
 }
