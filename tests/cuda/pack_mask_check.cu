@@ -45,6 +45,40 @@ uint8_t element(Pattern pattern, int64_t slice, int64_t i, int64_t j, std::mt199
   return 0;
 }
 
+// A [slices, T, S] boolean mask laid out densely (no broadcast axis) at `data`.
+BooleanMask dense_mask(int64_t slices, int64_t T, int64_t S, const uint8_t* data) {
+  BooleanMask m;
+  m.slices = slices;
+  m.T = T;
+  m.S = S;
+  m.slice_stride = T * S;
+  m.row_stride = S;
+  m.key_stride = 1;
+  m.data = data;
+  return m;
+}
+
+// The parameters the transposer reads (sm90/bwd_mask_columns.h): packed bits and tile summaries
+// of `slices` mask slices (as batches, one head) and the workspace for the bits by key.
+jfa::AttentionParams transpose_params(int64_t slices, int64_t T, int64_t S, const uint32_t* bits,
+                                      const uint8_t* tiles, uint32_t* key_bits) {
+  jfa::AttentionParams p;
+  p.B = slices;
+  p.N = 1;
+  p.T = T;
+  p.S = S;
+  jfa::PackedMaskView& view = p.mask.packed_mask;
+  view.bits = bits;
+  view.words = jfa::mask_words(S);
+  view.bits_batch_stride = slices > 1 ? T * view.words : 0;
+  view.tiles = tiles;  // the transposer takes whole-tile blocks from their summaries
+  view.chunks = jfa::mask_chunks(S);
+  view.row_blocks = jfa::mask_row_blocks(T);
+  view.tiles_batch_stride = slices > 1 ? view.row_blocks * view.chunks : 0;
+  p.mask_key_bits = key_bits;
+  return p;
+}
+
 // The bits by key that the Hopper backward makes from `device_bits` (sm90/bwd_mask_columns.h)
 // against the mask itself: key j's row holds query i at bit 2·(i % 128 / 8) + i % 2 of word
 // 4·(i / 128) + (i % 8) / 2, zero past T and S; nothing may be written past the workspace. Without
@@ -52,25 +86,12 @@ uint8_t element(Pattern pattern, int64_t slice, int64_t i, int64_t j, std::mt199
 // backward skips its steps); every other block must be exact.
 int check_key_bits(const Case& c, const uint8_t* mask, const uint32_t* device_bits, const uint8_t* device_tiles,
                    bool every_block) {
-  jfa::AttentionParams p;
-  p.B = c.slices;
-  p.N = 1;
-  p.T = c.T;
-  p.S = c.S;
-  jfa::PackedMaskView& view = p.mask.packed_mask;
-  view.bits = device_bits;
-  view.words = jfa::mask_words(c.S);
-  view.bits_batch_stride = c.slices > 1 ? c.T * view.words : 0;
-  view.tiles = device_tiles;  // the transposer takes whole-tile blocks from their summaries
-  view.chunks = jfa::mask_chunks(c.S);
-  view.row_blocks = jfa::mask_row_blocks(c.T);
-  view.tiles_batch_stride = c.slices > 1 ? view.row_blocks * view.chunks : 0;
   const int64_t rows = jfa::mask_chunks(c.S) * jfa::kMaskChunkKeys, words = jfa::mask_words(c.T);
   const size_t n = size_t(c.slices * rows * words);
   uint32_t* key_bits;
   CK(cudaMalloc(&key_bits, (n + 1) * 4));
   CK(cudaMemset(key_bits, 0xAB, (n + 1) * 4));
-  p.mask_key_bits = key_bits;
+  jfa::AttentionParams p = transpose_params(c.slices, c.T, c.S, device_bits, device_tiles, key_bits);
   CK(jfa::sm90::transpose_mask_bits(p, every_block, 0));
   CK(cudaDeviceSynchronize());
   std::vector<uint32_t> got(n + 1);
@@ -185,13 +206,6 @@ __global__ void fill_random_mask(uint8_t* mask, int64_t n) {
 // transposed) and on an all-true one (every block from its summaries): three rounds, each the
 // mean of 20 back-to-back launches after 3 untimed ones.
 void bench_transpose(int64_t slices, int64_t T, int64_t S) {
-  BooleanMask m;
-  m.slices = slices;
-  m.T = T;
-  m.S = S;
-  m.slice_stride = T * S;
-  m.row_stride = S;
-  m.key_stride = 1;
   uint8_t *device_mask, *tiles;
   uint32_t *bits, *key_bits;
   const int64_t key_words = slices * jfa::mask_chunks(S) * jfa::kMaskChunkKeys * jfa::mask_words(T);
@@ -199,21 +213,8 @@ void bench_transpose(int64_t slices, int64_t T, int64_t S) {
   CK(cudaMalloc(&bits, slices * T * jfa::mask_words(S) * 4));
   CK(cudaMalloc(&tiles, slices * jfa::mask_row_blocks(T) * jfa::mask_chunks(S)));
   CK(cudaMalloc(&key_bits, key_words * 4));
-  m.data = device_mask;
-  jfa::AttentionParams p;
-  p.B = slices;
-  p.N = 1;
-  p.T = T;
-  p.S = S;
-  jfa::PackedMaskView& view = p.mask.packed_mask;
-  view.bits = bits;
-  view.words = jfa::mask_words(S);
-  view.bits_batch_stride = slices > 1 ? T * view.words : 0;
-  view.tiles = tiles;
-  view.chunks = jfa::mask_chunks(S);
-  view.row_blocks = jfa::mask_row_blocks(T);
-  view.tiles_batch_stride = slices > 1 ? view.row_blocks * view.chunks : 0;
-  p.mask_key_bits = key_bits;
+  const BooleanMask m = dense_mask(slices, T, S, device_mask);
+  jfa::AttentionParams p = transpose_params(slices, T, S, bits, tiles, key_bits);
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
@@ -248,13 +249,6 @@ void bench_transpose(int64_t slices, int64_t T, int64_t S) {
 
 // Three rounds, each the mean of 20 back-to-back launches after 3 untimed ones.
 void bench(int64_t slices, int64_t T, int64_t S) {
-  BooleanMask m;
-  m.slices = slices;
-  m.T = T;
-  m.S = S;
-  m.slice_stride = T * S;
-  m.row_stride = S;
-  m.key_stride = 1;
   uint8_t* device_mask;
   uint32_t* bits;
   uint8_t* tiles;
@@ -262,7 +256,7 @@ void bench(int64_t slices, int64_t T, int64_t S) {
   CK(cudaMemset(device_mask, 1, slices * T * S));
   CK(cudaMalloc(&bits, slices * T * jfa::mask_words(S) * 4));
   CK(cudaMalloc(&tiles, slices * jfa::mask_row_blocks(T) * jfa::mask_chunks(S)));
-  m.data = device_mask;
+  const BooleanMask m = dense_mask(slices, T, S, device_mask);
   cudaEvent_t start, stop;
   CK(cudaEventCreate(&start));
   CK(cudaEventCreate(&stop));
