@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kThreads) transpose_mask_bits_kernel(PackedMas
   const int key_chunk = int(blockIdx.x), query_chunk = int(blockIdx.y), t = int(threadIdx.x);
   const int64_t slice = blockIdx.z, b = slice / heads, n = slice % heads;
   const int64_t i0 = int64_t(query_chunk) * kMaskChunkKeys, key0 = int64_t(key_chunk) * kMaskChunkKeys;
-  uint32_t* plane = const_cast<uint32_t*>(m.key_bits) + slice * m.key_rows * m.key_words + query_chunk * kMaskChunkWords;
+  uint32_t* plane =
+      const_cast<uint32_t*>(m.key_bits) + slice * m.key_rows * m.key_words + query_chunk * kMaskChunkWords;
   const int64_t rb = 2 * int64_t(query_chunk);
   const MaskTileKind lo = m.tile(b, n, rb, key_chunk);
   const MaskTileKind hi = rb + 1 < m.row_blocks ? m.tile(b, n, rb + 1, key_chunk) : MaskTileKind::kEmpty;
