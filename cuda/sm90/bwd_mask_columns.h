@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "jfa/packed_mask.h"
@@ -17,16 +18,12 @@
 namespace jfa::sm90 {
 
 // Word `word` of a key's row over the 128 queries from i0 of a block whose two 64-query halves
-// the summaries prove empty or full (`full_lo`, `full_hi`): its bit 2·a + e is query
-// 8·a + 2·word + e, so the lower half's queries are its low 16 bits. Queries past T are cleared
-// (a loop only in the chunk that holds T).
+// the summaries prove empty or full (`full_lo`, `full_hi`): its bit b is query
+// mask_key_of_bit(word, b), so the lower half's queries are its low 16 bits. Queries past T are
+// cleared (a loop only in the chunk that holds T).
 __device__ __forceinline__ uint32_t mask_word_of_kinds(bool full_lo, bool full_hi, int word, int64_t i0, int64_t T) {
-  uint32_t bits = (full_lo ? 0x0000FFFFu : 0u) | (full_hi ? 0xFFFF0000u : 0u);
-  const int64_t valid = T - i0;
-  if (valid < kMaskChunkKeys)
-    for (int b = 0; b < 32; ++b)
-      if (8 * (b >> 1) + 2 * word + (b & 1) >= valid) bits &= ~(1u << b);
-  return bits;
+  const uint32_t bits = (full_lo ? 0x0000FFFFu : 0u) | (full_hi ? 0xFFFF0000u : 0u);
+  return T - i0 < kMaskChunkKeys ? bits & mask_bits_below(word, T - i0) : bits;
 }
 
 // A 32 x 32 bit matrix held a row per lane (bit c of lane l: element (l, c)) transposed in place
@@ -56,12 +53,17 @@ __device__ __forceinline__ uint32_t transpose_bits_32x32(uint32_t x, int lane) {
 // zeros past S; rows past T read as zeros here).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) transpose_mask_bits_kernel(PackedMaskView m, int64_t T, int64_t S,
-                                                                       int64_t heads, bool every_block) {
+                                                                       int64_t heads, int64_t key_chunks,
+                                                                       int64_t query_chunks, bool every_block) {
   static_assert(kThreads == kMaskChunkKeys && kMaskChunkWords == 4 && kMaskChunkKeys == 2 * kMaskTileRows,
                 "a thread per query row of a chunk, a warp per word; two tile summaries per chunk of queries");
   __shared__ uint4 rows[kMaskChunkKeys];
-  const int key_chunk = int(blockIdx.x), query_chunk = int(blockIdx.y), t = int(threadIdx.x);
-  const int64_t slice = blockIdx.z, b = slice / heads, n = slice % heads;
+  // One flat grid (key chunks fastest, then query chunks, then slices): a grid's y and z stop at
+  // 65535, fewer than the slices of a mask per batch and head can be.
+  const int64_t block = blockIdx.x, chunk_pairs = key_chunks * query_chunks;
+  const int key_chunk = int(block % key_chunks), query_chunk = int(block % chunk_pairs / key_chunks);
+  const int t = int(threadIdx.x);
+  const int64_t slice = block / chunk_pairs, b = slice / heads, n = slice % heads;
   const int64_t i0 = int64_t(query_chunk) * kMaskChunkKeys, key0 = int64_t(key_chunk) * kMaskChunkKeys;
   uint32_t* plane =
       const_cast<uint32_t*>(m.key_bits) + slice * m.key_rows * m.key_words + query_chunk * kMaskChunkWords;
@@ -84,14 +86,14 @@ __global__ void __launch_bounds__(kThreads) transpose_mask_bits_kernel(PackedMas
   }
   rows[t] = row;
   __syncthreads();
-  // Lane l of warp w: query 8·(l / 2) + 2·w' + l % 2's word w in, key 8·(l / 2) + 2·w + l % 2's word w' out.
+  // Lane l of warp w: word w of query mask_key_of_bit(w', l) in, word w' of key mask_key_of_bit(w, l) out.
   const int w = t / 32, lane = t % 32;
   const uint32_t* words = reinterpret_cast<const uint32_t*>(rows);
   uint32_t out[kMaskChunkWords];
 #pragma unroll
   for (int wq = 0; wq < kMaskChunkWords; ++wq)
-    out[wq] = transpose_bits_32x32(words[4 * (8 * (lane >> 1) + 2 * wq + (lane & 1)) + w], lane);
-  const int64_t key = key0 + 8 * (lane >> 1) + 2 * w + (lane & 1);
+    out[wq] = transpose_bits_32x32(words[4 * mask_key_of_bit(wq, lane) + w], lane);
+  const int64_t key = key0 + mask_key_of_bit(w, lane);
   *reinterpret_cast<uint4*>(plane + key * m.key_words) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
@@ -111,8 +113,11 @@ inline cudaError_t transpose_mask_bits(AttentionParams& p, bool every_block, cud
   m.key_bits_head_stride = heads > 1 ? plane : 0;
   m.key_bits_batch_stride = batches > 1 ? heads * plane : 0;
   if (p.T == 0 || p.S == 0) return cudaSuccess;
-  const dim3 grid(unsigned(mask_chunks(p.S)), unsigned(mask_chunks(p.T)), unsigned(batches * heads));
-  transpose_mask_bits_kernel<kMaskChunkKeys><<<grid, kMaskChunkKeys, 0, stream>>>(m, p.T, p.S, heads, every_block);
+  const int64_t key_chunks = mask_chunks(p.S), query_chunks = mask_chunks(p.T);
+  const int64_t blocks = key_chunks * query_chunks * batches * heads;
+  if (blocks > int64_t(INT32_MAX)) return cudaErrorInvalidConfiguration;  // a grid's x stops at 2^31 - 1
+  transpose_mask_bits_kernel<kMaskChunkKeys><<<unsigned(blocks), kMaskChunkKeys, 0, stream>>>(
+      m, p.T, p.S, heads, key_chunks, query_chunks, every_block);
   return cudaGetLastError();
 }
 

@@ -299,6 +299,7 @@ int main(int argc, char** argv) {
       {1, 64, 1024, false, false, 8, P::kRandom},   {5, 1, 5, false, false, 0, P::kRandom},
       {1, 1000, 2000, false, false, 0, P::kTiles},  {2, 64, 16, false, false, 0, P::kRandom},
       {1, 77, 4112, false, false, 0, P::kRandom},   {1, 130, 384, true, false, 16, P::kCausal},
+      {66000, 3, 5, false, false, 0, P::kRandom},  // more slices than a grid's y or z holds
   };
   int failures = 0;
   for (const Case& c : cases) failures += check(c, rng) != 0;
