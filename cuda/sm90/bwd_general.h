@@ -367,13 +367,28 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
   const int query0 = m_block * kBlockM;
   if constexpr (kPolicies == 0) {
     const bool masked = bwd_block_needs_mask<Traits, kCausal>(block.key0, m_block, int(p.S));
+    // Loaded ahead (the LSE while S runs, D while dP does), a step's statistics hide their
+    // shared-memory latency but stay live across the GEMMs: worth it only where a thread holds few
+    // (the split-head kernel's query rows); with 20 or more (queries in columns) the kernel spills
+    // and the step is slower (docs/performance.md, "Row statistics ahead of their GEMMs").
+    constexpr int kStats = kStatCount<kQueriesInColumns, Coords>;  // coords: the scores' (rows, cols) shape
+    constexpr bool kStatsAhead = kStats <= 8;
+    float lse[kStats], dsum[kStats];
     bwd_step_scores(
         mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP,
-        [&](auto& scores) {
-          bwd_probabilities<kCausal, kQueriesInColumns>(scores, coords, lse_log2, p.scale_log2, masked, block.key0,
-                                                        query0, int(p.S));
+        [&] {
+          if constexpr (kStatsAhead) bwd_load_stats<kQueriesInColumns>(lse, coords, lse_log2);
         },
-        [&](auto& scores, auto& grads) { bwd_score_grads<kQueriesInColumns>(grads, scores, coords, d); });
+        [&](auto& scores) {
+          if (masked) bwd_mask_scores<kCausal, kQueriesInColumns>(scores, coords, block.key0, query0, int(p.S));
+          if constexpr (!kStatsAhead) bwd_load_stats<kQueriesInColumns>(lse, coords, lse_log2);
+          bwd_probabilities<kQueriesInColumns>(scores, lse, p.scale_log2);
+          if constexpr (kStatsAhead) bwd_load_stats<kQueriesInColumns>(dsum, coords, d);
+        },
+        [&](auto& scores, auto& grads) {
+          if constexpr (!kStatsAhead) bwd_load_stats<kQueriesInColumns>(dsum, coords, d);
+          bwd_score_grads<kQueriesInColumns>(grads, scores, dsum);
+        });
   } else {
     const BwdTileTest test = bwd_general_tile_test<kBlockM, kBlockN, kPolicies>(p, block, head, m_block, mask_full);
     const bool partial = test != BwdTileTest::kNone;
@@ -387,7 +402,7 @@ __forceinline__ __device__ void bwd_step(Mma& mma, Pipeline& pipeline_q, Pipelin
     if constexpr (kBoolMask)
       if (partial && m.packed_mask.present()) step_mask.load(p, block.batch, head, query0, block.key0, coords);
     bwd_step_scores(
-        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP,
+        mma, pipeline_q, pipeline_do, read, a_s, b_s, a_dp, b_dp, tSrS, tdPrdP, [] {},
         [&](auto&) {
           if constexpr (kBoolMask)
             if (step_mask.loaded) step_mask.finish();

@@ -49,21 +49,22 @@ template <bool kQueriesInColumns, typename View>
 inline constexpr int kStatCount = kQueriesInColumns ? int(decltype(size<1>(std::declval<View>()))::value)
                                                     : int(decltype(size<0>(std::declval<View>()))::value);
 
-// P = exp2(S·scale_log2 − LSE·log2 e) in place of the scores `s` ((rows, cols) view); keys past S
-// and, top-left causal, keys after their query get P = 0 where `masked`.
+// Keys past S and, top-left causal, keys after their query get the score −inf (P = 0).
 template <bool kCausal, bool kQueriesInColumns, typename Scores, typename Coords>
-__forceinline__ __device__ void bwd_probabilities(Scores& s, Coords const& coords, const float* lse_log2,
-                                                  float scale_log2, bool masked, int key0, int query0, int S) {
-  if (masked) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(s); ++i) {
-      const int2 qk = bwd_query_key<kQueriesInColumns>(coords, i);
-      const int key = key0 + qk.y;
-      if (key >= S || (kCausal && key > query0 + qk.x)) s(i) = -INFINITY;
-    }
+__forceinline__ __device__ void bwd_mask_scores(Scores& s, Coords const& coords, int key0, int query0, int S) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(s); ++i) {
+    const int2 qk = bwd_query_key<kQueriesInColumns>(coords, i);
+    const int key = key0 + qk.y;
+    if (key >= S || (kCausal && key > query0 + qk.x)) s(i) = -INFINITY;
   }
-  float lse[kStatCount<kQueriesInColumns, Scores>];
-  bwd_load_stats<kQueriesInColumns>(lse, coords, lse_log2);
+}
+
+// P = exp2(S·scale_log2 − LSE·log2 e) in place of the scores `s` ((rows, cols) view), with this
+// thread's LSE·log2 e already loaded (bwd_load_stats).
+template <bool kQueriesInColumns, typename Scores, int kCount>
+__forceinline__ __device__ void bwd_probabilities(Scores& s, const float (&lse)[kCount], float scale_log2) {
+  static_assert(kCount == kStatCount<kQueriesInColumns, Scores>);
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
     CUTE_UNROLL
@@ -71,11 +72,10 @@ __forceinline__ __device__ void bwd_probabilities(Scores& s, Coords const& coord
   }
 }
 
-// dS = P∘(dP − D) in place of dP, D per query from smem.
-template <bool kQueriesInColumns, typename Grads, typename Probs, typename Coords>
-__forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, Coords const& coords, const float* d) {
-  float dsum[kStatCount<kQueriesInColumns, Grads>];
-  bwd_load_stats<kQueriesInColumns>(dsum, coords, d);
+// dS = P∘(dP − D) in place of dP, with this thread's D already loaded (bwd_load_stats).
+template <bool kQueriesInColumns, typename Grads, typename Probs, int kCount>
+__forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, const float (&dsum)[kCount]) {
+  static_assert(kCount == kStatCount<kQueriesInColumns, Grads>);
   CUTE_UNROLL
   for (int r = 0; r < size<0>(dp); ++r) {
     CUTE_UNROLL
@@ -84,15 +84,18 @@ __forceinline__ __device__ void bwd_score_grads(Grads& dp, Probs const& prob, Co
 }
 
 // The start of a step: issues S (or Sᵀ) = a_s·b_s and dP (or dPᵀ) = a_dp·b_dp as each operand's
-// stage lands; once S has landed calls on_scores(S), once dP has too on_grads(S, dP), both as
-// (rows, cols) views, which turn them into P and dS in place.
+// stage lands; calls on_s_issued() once S is issued (its stage's row statistics have landed with
+// Q: loaded there, they are in registers when S lands); once S has landed calls on_scores(S), once
+// dP has too on_grads(S, dP), both as (rows, cols) views, which turn them into P and dS in place.
 template <typename Mma, typename Pipeline, typename State, typename AS, typename BS, typename ADP, typename BDP,
-          typename Acc, typename OnScores, typename OnGrads>
+          typename Acc, typename OnSIssued, typename OnScores, typename OnGrads>
 __forceinline__ __device__ void bwd_step_scores(Mma& mma, Pipeline& pipeline_q, Pipeline& pipeline_do, State const& read,
                                                 AS const& a_s, BS const& b_s, ADP const& a_dp, BDP const& b_dp,
-                                                Acc& tSrS, Acc& tdPrdP, OnScores&& on_scores, OnGrads&& on_grads) {
+                                                Acc& tSrS, Acc& tdPrdP, OnSIssued&& on_s_issued, OnScores&& on_scores,
+                                                OnGrads&& on_grads) {
   pipeline_q.consumer_wait(read);
   gemm</*zero_init=*/true, /*wait=*/-1>(mma, a_s, b_s, tSrS);
+  on_s_issued();
   pipeline_do.consumer_wait(read);
   gemm</*zero_init=*/true, /*wait=*/-1>(mma, a_dp, b_dp, tdPrdP);
   warpgroup_wait<1>();
