@@ -455,6 +455,15 @@ def test_block_sparse_mask_with_keywords_on_gpu(H, extra):
     compare_with_reference(seed, shape, dict(kw, mask=packed), ref_kw=dict(ref_kw, mask=mask), dtype=BF16)
 
 
+def test_mask_of_more_slices_than_a_grid_axis_holds_on_gpu():
+    # A mask per batch element of 66000: more (batch, head) slices than a grid's y or z axis holds
+    # (65535), which the backward's transposer of the bits must still cover on its flat grid.
+    seed = fresh_seed()
+    shape = (66000, 8, 8, 1, 1, 64)
+    mask = jax.random.bernoulli(jax.random.key(seed + 7), 0.5, (66000, 1, 8, 8))
+    compare_with_reference(seed, shape, dict(mask=jfa.pack_mask(mask)), ref_kw=dict(mask=mask), dtype=BF16)
+
+
 def test_long_runs_of_empty_blocks_on_gpu():
     """Runs of more than 32 empty steps and blocks, past one warp-wide search of the summaries:
     key blocks whose visible query blocks are 60 apart (the backward's walk) and query blocks
