@@ -9,7 +9,6 @@
 
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "jfa/packed_mask.h"
