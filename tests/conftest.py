@@ -6,15 +6,32 @@ child run that tests/test_multidevice.py starts (JFA_MULTIDEVICE=1).
 Two settings for runs cut into time-limited calls (the GPU machine's scripts use them):
 JFA_TEST_SHARD=i/N keeps every N-th selected test starting at the i-th (1-based), so that N
 calls or GPUs share the suite evenly; JFA_REPORT_FAILURES=1 prints each failure the moment it
-is known, so that a run stopped by a time limit still names what failed."""
+is known, so that a run stopped by a time limit still names what failed.
+
+README's test command runs pytest-xdist workers (`-n auto`: one per core, at most 8 here). On a
+GPU each worker's JAX would take three quarters of the GPU's memory at start, so workers allocate
+as they go instead (set before JAX starts its backends)."""
 from __future__ import annotations
 
 import functools
 import os
 import sys
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import pytest
+
+MAX_AUTO_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not installed
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most MAX_AUTO_WORKERS (each holds a JAX runtime, and on a
+    GPU machine a context on every visible GPU)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_AUTO_WORKERS))
 
 collect_ignore = [] if os.environ.get("JFA_MULTIDEVICE") == "1" else ["multidevice"]
 

@@ -563,7 +563,9 @@ def test_dropout_with_masks_past_one_tile_on_gpu(combo):
 
 
 # deterministic=True: plain (every lower key tile adds to a dQ tile), causal with GQA, and the
-# general path, whose turns are counted per tile (window, segment ids, lengths, full-shape bias).
+# general path, whose turns are counted per tile (window, segment ids, lengths, full-shape bias);
+# at each Hopper backward layout's head dim: H 64 and 128 (a dQ writer warp makes the ordered adds)
+# and H 256 (the MMA threads add, a turn keeper warp orders them).
 DETERMINISTIC_CASES = {
     "plain": (dict(), None),
     "causal_gqa": (dict(is_causal=True), None),
@@ -576,11 +578,12 @@ DETERMINISTIC_CASES = {
 }
 
 
+@pytest.mark.parametrize("H", [64, 128, 256])
 @pytest.mark.parametrize("case", list(DETERMINISTIC_CASES))
-def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case):
+def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(case, H):
     """The dQ adds in key-tile order: two runs give the same bits, and match the reference."""
     seed = fresh_seed()
-    B, T, S, N, K, H = 2, 700, 430, 4, 2, 64
+    B, T, S, N, K = 2, 700, 430, 4, 2
     kw, extra = DETERMINISTIC_CASES[case]
     if "key_value_seq_lengths" in kw:
         kw = dict(kw, key_value_seq_lengths=jnp.asarray(kw["key_value_seq_lengths"], jnp.int32))

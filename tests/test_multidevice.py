@@ -8,13 +8,15 @@ import pathlib
 import subprocess
 import sys
 
+from util import child_pytest_env
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 def test_multidevice_suite():
     flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JFA_MULTIDEVICE="1", JFA_REQUIRE_DEVICES="1",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
+    env = child_pytest_env(JFA_MULTIDEVICE="1", JFA_REQUIRE_DEVICES="1",
+                           XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
     env.pop("JFA_TEST_SHARD", None)  # this test is one shard's; the child runs all of its suite
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(HERE / "multidevice")], cwd=HERE.parent, env=env,

@@ -3,7 +3,6 @@ rely on to cover every test across time-limited calls: the shards of a selection
 together are the selection, -k applies before the cut, and a bad value is refused."""
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import shutil
@@ -11,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from util import child_pytest_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -28,7 +29,7 @@ def test_other(i):
 
 
 def _run(folder, shard, *args, workers=0):
-    env = dict(os.environ, JFA_TEST_SHARD=shard, JFA_REPORT_FAILURES="1")
+    env = child_pytest_env(JFA_TEST_SHARD=shard, JFA_REPORT_FAILURES="1")
     parallel = ["-n", str(workers)] if workers else ["-p", "no:xdist"]
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *parallel, "-rA", "-q", *args,
                            str(folder)], cwd=folder, env=env, capture_output=True, text=True, timeout=300)

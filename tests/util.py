@@ -13,6 +13,14 @@ from jax_flashattn.reference import attention_reference
 BOUNDS = {jnp.float32: (1e-5, 4e-5), jnp.float16: (3e-3, 1.2e-2), jnp.bfloat16: (2e-2, 8e-2)}
 
 
+def child_pytest_env(**overrides) -> dict:
+    """The environment for a child pytest run: this one's, without pytest-xdist's worker variables
+    (a child of a worker would take itself for one, and print no failures: tests/conftest.py)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST_")}
+    env.update(overrides)
+    return env
+
+
 def fresh_seed() -> int:
     """A new seed each run (never the same inputs twice); failures print it."""
     return int.from_bytes(os.urandom(4), "little")

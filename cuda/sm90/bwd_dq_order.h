@@ -9,8 +9,8 @@
 // query head, kDqSemaphoreRows query rows) counts the key blocks of its lane that have added into
 // the block (zeroed by the launcher). Key block n_block's turn at query block m_block is the number
 // of lower key blocks of its lane that add there (bwd_dq_turn); the adder waits until the count
-// reaches it, adds, makes the adds visible and increments the count. A CTA only ever waits for
-// CTAs of lower key blocks of its (batch, K/V head), which every tile order launches first
+// reaches it, adds, and once the adds are complete increments the count with a release. A CTA only
+// ever waits for CTAs of lower key blocks of its (batch, K/V head), which every tile order launches first
 // (tile_scheduler.h: n-block-minor, or n-block rank-major within a section), so they are resident
 // or done: no wait can deadlock.
 #pragma once
@@ -65,6 +65,11 @@ __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, 
   }
 }
 
+// The threads of the split-head layout's meetings around a step's ordered adds: the MMA threads
+// and the turn keeper warp (bwd_producer.h, bwd_keep_dq_turns).
+template <typename Traits>
+inline constexpr int kBwdDqTurnThreads = Traits::kNumMmaThreads + 32;
+
 __forceinline__ __device__ void bwd_dq_wait_turn(const int32_t* semaphore, int turn) {
   int seen;
   do {
@@ -72,9 +77,12 @@ __forceinline__ __device__ void bwd_dq_wait_turn(const int32_t* semaphore, int t
   } while (seen != turn);
 }
 
-// After this thread's adds (and those of the threads it met at a barrier since) are complete.
-__forceinline__ __device__ void bwd_dq_end_turn(int32_t* semaphore) {
-  __threadfence();
+// Passes the turn on, after this thread's adds are complete (its bulk reductions waited for) or
+// after the adding threads arrived at a barrier this thread has since waited at: a release orders
+// both before it (the PTX memory model's release is cumulative). No fence before it: a
+// sequentially consistent one (__threadfence) orders nothing more here, and every step waited
+// for it (docs/performance.md, Hopper backward).
+__forceinline__ __device__ void bwd_dq_pass_turn(int32_t* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
 }
 

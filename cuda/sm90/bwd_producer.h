@@ -70,6 +70,35 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
   pipeline_do.producer_tail(write);
 }
 
+// The split-head layout with deterministic=True: warp 1 keeps the turns of the MMA threads' own dQ
+// adds, so that the waits and the release, each a round trip to L2, leave the MMA threads' path.
+// Per step it waits for the key block's turn at the query block and says so (kBwdBarDqTurn); the
+// MMA threads add and arrive at kBwdBarDqAdded, where this warp waits before it passes the turn on.
+// The release is cumulative: the adds the barrier ordered before it are visible to the CTA that
+// acquires the turn next, with no fence in the MMA threads.
+template <typename Traits, int kPolicies>
+__forceinline__ __device__ void bwd_keep_dq_turns(const BwdParams<Traits>& p, const BwdWalk& walk) {
+  static_assert(Traits::kSplitHead);
+  const bool leader = threadIdx.x % 32 == 0;
+  constexpr int kLanes = Traits::kDeterministicDqLanes;
+  const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
+#pragma unroll 1
+  for (int s = walk.first; s < walk.num_steps;) {
+    const int next = bwd_next_step<Traits, kPolicies>(p, walk, s);
+    const BwdStep st = walk.step(s, p.heads);
+    const int turn = bwd_dq_turn<Traits::kBlockM, Traits::kBlockN, kPolicies, kLanes>(
+        p.attn, walk.batch, walk.kv_head(p.group), walk.n_block, st.m_block);
+    int32_t* semaphore = bwd_dq_semaphore<Traits::kBlockM>(p.attn, lane, walk.batch, st.head, st.m_block);
+    if (leader) bwd_dq_wait_turn(semaphore, turn);
+    __syncwarp();
+    bar_arrive(kBwdBarDqTurn, kBwdDqTurnThreads<Traits>);
+    bar_sync(kBwdBarDqAdded, kBwdDqTurnThreads<Traits>);
+    if (leader) bwd_dq_pass_turn(semaphore);
+    __syncwarp();
+    s = next;
+  }
+}
+
 // Warp 1: per step, each MMA warpgroup's dQ share (staged in smem as float32) added into the
 // global accumulator with one bulk reduction, performed in L2. Handshake per warpgroup w: it fills
 // its slice and arrives at dQ-full; this warp waits there, issues the add, and once the add has
@@ -109,7 +138,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
     if (p.attn.deterministic) {
       if (leader) {
         bulk_wait_all();  // the adds are complete, not only read
-        bwd_dq_end_turn(semaphore);
+        bwd_dq_pass_turn(semaphore);
       }
       __syncwarp();
     }

@@ -37,10 +37,11 @@ __forceinline__ __device__ void fwd_tile_meeting(int w) { bar_sync_unaligned(kFw
 // Backward (bwd_kernel.h): dS of a step complete in smem (all MMA threads); per MMA warpgroup w,
 // its dQ smem slice full (it and the dQ writer warp) and empty again (the same), and its epilogue;
 // and the MMA threads' meeting before the epilogue reuses the Q and dO buffers; with
-// deterministic=True in the split-head layout, their meetings around a step's ordered dQ adds.
+// deterministic=True in the split-head layout, the turn keeper warp's two meetings with the MMA
+// threads per step (bwd_keep_dq_turns): the step's turn has come, and the step's dQ adds are issued.
 enum : int {
   kBwdBarDsReady = 1, kBwdBarDqFullFirst = 2, kBwdBarDqEmptyFirst = 4, kBwdBarEpilogueFirst = 6,
-  kBwdBarMainloopDone = 8, kBwdBarDqTurn = 9
+  kBwdBarMainloopDone = 8, kBwdBarDqTurn = 9, kBwdBarDqAdded = 10
 };
 
 // Top-k sparse forward (sparse_fwd_kernel.h), between its two consumer warpgroups: warpgroup 0
