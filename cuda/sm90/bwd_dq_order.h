@@ -70,6 +70,15 @@ __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, 
 template <typename Traits>
 inline constexpr int kBwdDqTurnThreads = Traits::kNumMmaThreads + 32;
 
+// Whether a split-head kernel's turns are kept by the turn keeper warp: on the plain path. The
+// general path's turn count (bwd_dq_turn over the masks' walks) in the producer's few registers
+// spilled, and the spills cost those kernels' default backward too (docs/performance.md), so
+// there the MMA threads keep waiting for their turns themselves, as before the keeper.
+template <typename Traits, int kPolicies>
+__forceinline__ __host__ __device__ constexpr bool bwd_keeps_dq_turns() {
+  return Traits::kSplitHead && kPolicies == 0;
+}
+
 __forceinline__ __device__ void bwd_dq_wait_turn(const int32_t* semaphore, int turn) {
   int seen;
   do {
@@ -84,6 +93,13 @@ __forceinline__ __device__ void bwd_dq_wait_turn(const int32_t* semaphore, int t
 // for it (docs/performance.md, Hopper backward).
 __forceinline__ __device__ void bwd_dq_pass_turn(int32_t* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
+
+// The same behind a fence: the general path's split-head kernels, whose code is kept as it was
+// measured (a change there moves their register allocation, which their default backward pays).
+__forceinline__ __device__ void bwd_dq_fence_and_pass_turn(int32_t* semaphore) {
+  __threadfence();
+  bwd_dq_pass_turn(semaphore);
 }
 
 }  // namespace jfa::sm90

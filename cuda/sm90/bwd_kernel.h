@@ -5,8 +5,8 @@
 //
 // Roles. Warpgroup 0 is the producer, with its registers lowered by setmaxnreg: warp 0 loads
 // (bwd_producer.h, bwd_load), warp 1 adds each step's dQ partial sums into the float32 accumulator
-// (bwd_store_dq), or in the split-head layout with deterministic=True keeps the turns of the MMA
-// threads' own adds (bwd_keep_dq_turns). Warpgroups 1 and 2 compute (bwd_mainloop.h: 64 keys
+// (bwd_store_dq), or in the split-head layout's plain path with deterministic=True keeps the
+// turns of the MMA threads' own adds (bwd_keep_dq_turns). Warpgroups 1 and 2 compute (bwd_mainloop.h: 64 keys
 // each; for wide heads bwd_mainloop_split_head.h: half the head dims each, adding dQ themselves),
 // then store dK and dV (bwd_epilogue.h). Around it: bwd_row_stats_kernel (D and LSE·log2 e per query row) before, and
 // bwd_convert_dq_kernel (bwd_postprocess.h) after (bwd_launch.h).
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if (warp == 1) {
       if constexpr (!Traits::kSplitHead)
         bwd_store_dq<Traits, kPolicies>(p, ss, walk);
-      else if (p.attn.deterministic)  // (the split-head layout adds dQ from the MMA threads)
-        bwd_keep_dq_turns<Traits, kPolicies>(p, walk);
+      else if constexpr (bwd_keeps_dq_turns<Traits, kPolicies>())  // (split-head: the MMA threads add)
+        if (p.attn.deterministic) bwd_keep_dq_turns<Traits, kPolicies>(p, walk);
     }
     return;
   }

@@ -7,8 +7,8 @@
 //   and dS are in smem);
 //   issue dVᵀ += dOᵀ·P, dQ = dS·K, dKᵀ += Qᵀ·dS; wait for dV and dQ (dO's stage is free);
 //   add dQ into the global accumulator (16-byte atomics; deterministic=True: in key-block order,
-//   bwd_dq_order.h, once the turn keeper warp has seen the turn come); wait for dK (Q's stage is
-//   free).
+//   bwd_dq_order.h; on the plain path once the turn keeper warp has seen the turn come); wait for
+//   dK (Q's stage is free).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -103,11 +103,33 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
     float* dq = p.attn.dq_accum + lane * bwd_dq_lane_floats<kHeadDim>(p.attn) +
                 bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * kHeadDim;
-    // deterministic=True: the turn keeper warp (bwd_keep_dq_turns) has seen this key block's turn
-    // at the query block come, and passes it on once the adds are issued.
-    if (p.attn.deterministic) bar_sync(kBwdBarDqTurn, kBwdDqTurnThreads<Traits>);
+    // deterministic=True: this key block's turn at the query block first. On the plain path the
+    // turn keeper warp (bwd_keep_dq_turns) has seen it come, and passes it on once the adds are
+    // issued; the general path's kernels wait for it themselves (bwd_keeps_dq_turns).
+    int32_t* semaphore = nullptr;
+    if (p.attn.deterministic) {
+      if constexpr (bwd_keeps_dq_turns<Traits, kPolicies>()) {
+        bar_sync(kBwdBarDqTurn, kBwdDqTurnThreads<Traits>);
+      } else {
+        semaphore = bwd_dq_semaphore<kBlockM>(p.attn, lane, walk.batch, st.head, st.m_block);
+        if (tid < 32) {
+          const int turn = bwd_dq_turn<kBlockM, kBlockN, kPolicies, kLanes>(p.attn, walk.batch, walk.kv_head(p.group),
+                                                                            walk.n_block, st.m_block);
+          if (tid == 0) bwd_dq_wait_turn(semaphore, turn);
+        }
+        bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);
+      }
+    }
     atomic_add_share(tdQrdQ, dq + w * Traits::kDqSliceFloats, wg_tid);
-    if (p.attn.deterministic) bar_arrive(kBwdBarDqAdded, kBwdDqTurnThreads<Traits>);
+    if (p.attn.deterministic) {
+      if constexpr (bwd_keeps_dq_turns<Traits, kPolicies>()) {
+        bar_arrive(kBwdBarDqAdded, kBwdDqTurnThreads<Traits>);
+      } else {
+        __threadfence();
+        bar_sync(kBwdBarDqTurn, Traits::kNumMmaThreads);
+        if (tid == 0) bwd_dq_fence_and_pass_turn(semaphore);
+      }
+    }
     if constexpr (kDropout)
       if (const int next = next_step(); next < walk.num_steps) keep = keep_bits_of(next);  // while dK's GEMM runs
     warpgroup_wait<0>();

@@ -70,15 +70,15 @@ __forceinline__ __device__ void bwd_load(const BwdParams<Traits>& p, BwdSharedSt
   pipeline_do.producer_tail(write);
 }
 
-// The split-head layout with deterministic=True: warp 1 keeps the turns of the MMA threads' own dQ
-// adds, so that the waits and the release, each a round trip to L2, leave the MMA threads' path.
-// Per step it waits for the key block's turn at the query block and says so (kBwdBarDqTurn); the
-// MMA threads add and arrive at kBwdBarDqAdded, where this warp waits before it passes the turn on.
-// The release is cumulative: the adds the barrier ordered before it are visible to the CTA that
-// acquires the turn next, with no fence in the MMA threads.
+// The split-head layout's plain path (bwd_keeps_dq_turns) with deterministic=True: warp 1 keeps
+// the turns of the MMA threads' own dQ adds, so that the waits and the release, each a round trip
+// to L2, leave the MMA threads' path. Per step it waits for the key block's turn at the query
+// block and says so (kBwdBarDqTurn); the MMA threads add and arrive at kBwdBarDqAdded, where this
+// warp waits before it passes the turn on. The release is cumulative: the adds the barrier ordered
+// before it are visible to the CTA that acquires the turn next, with no fence in the MMA threads.
 template <typename Traits, int kPolicies>
 __forceinline__ __device__ void bwd_keep_dq_turns(const BwdParams<Traits>& p, const BwdWalk& walk) {
-  static_assert(Traits::kSplitHead);
+  static_assert(bwd_keeps_dq_turns<Traits, kPolicies>());
   const bool leader = threadIdx.x % 32 == 0;
   constexpr int kLanes = Traits::kDeterministicDqLanes;
   const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
