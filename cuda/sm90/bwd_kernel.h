@@ -6,10 +6,11 @@
 // Roles. Warpgroup 0 is the producer, with its registers lowered by setmaxnreg: warp 0 loads
 // (bwd_producer.h, bwd_load), warp 1 adds each step's dQ partial sums into the float32 accumulator
 // (bwd_store_dq), or in the split-head layout's plain path with deterministic=True keeps the
-// turns of the MMA threads' own adds (bwd_keep_dq_turns). Warpgroups 1 and 2 compute (bwd_mainloop.h: 64 keys
-// each; for wide heads bwd_mainloop_split_head.h: half the head dims each, adding dQ themselves),
-// then store dK and dV (bwd_epilogue.h). Around it: bwd_row_stats_kernel (D and LSE·log2 e per query row) before, and
-// bwd_convert_dq_kernel (bwd_postprocess.h) after (bwd_launch.h).
+// turns of the MMA threads' own adds (bwd_keep_dq_turns). Warpgroups 1 and 2 compute
+// (bwd_mainloop.h: 64 keys each; for wide heads bwd_mainloop_split_head.h: half the head dims
+// each, adding dQ themselves), then store dK and dV (bwd_epilogue.h). Around it:
+// bwd_row_stats_kernel (D and LSE·log2 e per query row) before, and bwd_convert_dq_kernel
+// (bwd_postprocess.h) after (bwd_launch.h).
 #pragma once
 
 #include <cute/tensor.hpp>
