@@ -170,15 +170,22 @@ void run_case(const Case& c, int rounds, Mode mode) {
   std::printf("AB root=%s mode=%s H=%d B=%d T=S=%d N=%d K=%d causal=%d | bwd %.3f ms %.1f TFLOP/s (min %.3f max %.3f)\n",
               AB_ROOT, kModeNames[int(mode)], H, B, T, c.N, c.K, int(c.causal), median, flops / median * 1e-9, ms.front(), ms.back());
   // AB_DIGEST=1: what the last launch computed, to compare trees: dK and dV bit for bit (each key
-  // block's sums run in one fixed order) and dQ's sums (float atomics: equal up to rounding).
+  // block's sums run in one fixed order) and dQ's sums (float atomics: equal up to rounding); and
+  // dQ's bits after this launch and after one more (det: the same on every launch).
   if (std::getenv("AB_DIGEST") != nullptr) {
-    const uint64_t digest[2] = {ab::digest(buf[6], nk * sizeof(Element)), ab::digest(buf[7], nk * sizeof(Element))};
+    const uint64_t digest[3] = {ab::digest(buf[6], nk * sizeof(Element)), ab::digest(buf[7], nk * sizeof(Element)),
+                                ab::digest(buf[5], nq * sizeof(Element))};
     std::vector<Element> dq(nq);
     CK(cudaMemcpy(dq.data(), buf[5], nq * 2, cudaMemcpyDeviceToHost));
     double sum = 0, abs_sum = 0;
     for (Element x : dq) sum += float(x), abs_sum += std::fabs(float(x));
-    std::printf("DIGEST root=%s mode=%s T=%d dk=%016llx dv=%016llx dq_sum=%.6e dq_abs_sum=%.6e\n", AB_ROOT,
-                kModeNames[int(mode)], T, (unsigned long long)digest[0], (unsigned long long)digest[1], sum, abs_sum);
+    CK(launch());
+    CK(cudaStreamSynchronize(stream));
+    const uint64_t dq_again = ab::digest(buf[5], nq * sizeof(Element));
+    std::printf("DIGEST root=%s mode=%s T=%d dk=%016llx dv=%016llx dq_sum=%.6e dq_abs_sum=%.6e dq=%016llx dq_again=%016llx%s\n",
+                AB_ROOT, kModeNames[int(mode)], T, (unsigned long long)digest[0], (unsigned long long)digest[1], sum,
+                abs_sum, (unsigned long long)digest[2], (unsigned long long)dq_again,
+                digest[2] == dq_again ? "" : " (dq differs between launches)");
     std::fflush(stdout);
   }
   for (void* b : buf) CK(cudaFree(b));

@@ -1,8 +1,8 @@
 // deterministic=True on the Hopper backward: every query block's dQ partial sums are added in
 // increasing key-block order, so the float32 accumulator, and dQ, are the same bits on every run.
 //
-// With kLanes copies ("lanes") of the accumulator (params.h: up to kDqLanes; the traits'
-// kDeterministicDqLanes), key block n_block adds into lane n_block % kLanes, whose chain of turns
+// With kLanes copies ("lanes") of the accumulator (params.h: up to kDqLanes; bwd_dq_lanes below),
+// key block n_block adds into lane n_block % kLanes, whose chain of turns
 // holds every kLanes-th key block only: a CTA waits for the one kLanes key blocks below it, which
 // started that much earlier, rather than for the one just below; the conversion
 // (bwd_postprocess.h) adds the lanes up in a fixed order. A semaphore per (lane, batch,
@@ -63,6 +63,14 @@ __forceinline__ __device__ int bwd_dq_turn(const AttentionParams& p, int batch, 
     }
     return turn;
   }
+}
+
+// The lanes a kernel adds into with deterministic=True: the traits' (kDeterministicDqLanes) on the
+// plain path and in the split-head layout; one on the general path of the writer warp's layout,
+// whose H 64 kernels, short of registers, spilled more with two (docs/performance.md).
+template <typename Traits, int kPolicies>
+__forceinline__ __host__ __device__ constexpr int bwd_dq_lanes() {
+  return kPolicies == 0 || Traits::kSplitHead ? Traits::kDeterministicDqLanes : 1;
 }
 
 // The threads of the split-head layout's meetings around a step's ordered adds: the MMA threads

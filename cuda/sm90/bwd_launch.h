@@ -28,7 +28,8 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   // The dQ partial sums are added into the accumulator, every lane the kernel uses
   // (bwd_dq_order.h): start from zero (padding rows too); so are the dQ turns, d(bias) and
   // d(slopes) (launch_bwd_row_stats).
-  const int64_t lanes = p.deterministic ? Traits::kDeterministicDqLanes : 1;
+  constexpr int kLanes = bwd_dq_lanes<Traits, kPolicies>();
+  const int64_t lanes = p.deterministic ? kLanes : 1;
   cudaError_t err =
       cudaMemsetAsync(p.dq_accum, 0, size_t(lanes * bwd_dq_lane_floats<kHeadDim>(p)) * sizeof(float), stream);
   if (err != cudaSuccess) return err;
@@ -88,7 +89,7 @@ cudaError_t launch_bwd(const AttentionParams& p, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
-  bwd_convert_dq_kernel<Traits>
+  bwd_convert_dq_kernel<Traits, kLanes>
       <<<dim3(unsigned(kp.num_m_blocks * p.N * p.B)), Traits::kNumMmaThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -99,7 +99,7 @@ __forceinline__ __device__ void bwd_mainloop_split_head(const BwdParams<Traits>&
     gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS(_, _, _, stage), tdQrKt, tdQrdQ);
     gemm</*zero_init=*/false, /*wait=*/1>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt(_, _, _, stage), tdKrdK);
     pipeline_do.consumer_release(read);  // dP and dV have read dO
-    constexpr int kLanes = Traits::kDeterministicDqLanes;
+    constexpr int kLanes = bwd_dq_lanes<Traits, kPolicies>();
     const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
     float* dq = p.attn.dq_accum + lane * bwd_dq_lane_floats<kHeadDim>(p.attn) +
                 bwd_row_offset<Traits>(p.attn, walk.batch, st.head, st.m_block) * kHeadDim;

@@ -25,7 +25,8 @@ __forceinline__ __device__ int3 block_head_batch(int num_blocks, int64_t heads) 
   return make_int3(block, int(rest % heads), int(rest / heads));
 }
 
-template <typename Traits>
+// kLanes: the accumulator's lanes with deterministic=True (bwd_dq_lanes).
+template <typename Traits, int kLanes>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(const AttentionParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNumMmaThreads;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads) bwd_convert_dq_kernel(
   constexpr int n = decltype(size(coord))::value;
   const float4* slice = reinterpret_cast<const float4*>(
       p.dq_accum + bwd_row_offset<Traits>(p, batch, head, m_block) * kHeadDim + w * Traits::kDqSliceFloats);
-  const int lanes = p.deterministic ? Traits::kDeterministicDqLanes : 1;
+  const int lanes = p.deterministic ? kLanes : 1;
   const int64_t lane_float4s = bwd_dq_lane_floats<kHeadDim>(p) / 4;
   CUTE_UNROLL
   for (int g = 0; g < n / 4; ++g) {

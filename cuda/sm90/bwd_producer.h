@@ -80,7 +80,7 @@ template <typename Traits, int kPolicies>
 __forceinline__ __device__ void bwd_keep_dq_turns(const BwdParams<Traits>& p, const BwdWalk& walk) {
   static_assert(bwd_keeps_dq_turns<Traits, kPolicies>());
   const bool leader = threadIdx.x % 32 == 0;
-  constexpr int kLanes = Traits::kDeterministicDqLanes;
+  constexpr int kLanes = bwd_dq_lanes<Traits, kPolicies>();
   const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
 #pragma unroll 1
   for (int s = walk.first; s < walk.num_steps;) {
@@ -111,7 +111,7 @@ __forceinline__ __device__ void bwd_store_dq(const BwdParams<Traits>& p, BwdShar
   static_assert(Traits::kNumMmaWarpGroups == 2);
   const bool leader = threadIdx.x % 32 == 0;
   constexpr int kHandshake = 128 + 32;
-  constexpr int kLanes = Traits::kDeterministicDqLanes;
+  constexpr int kLanes = bwd_dq_lanes<Traits, kPolicies>();
   const int lane = bwd_dq_lane<kLanes>(p.attn, walk.n_block);
   float* const dq_lane = p.attn.dq_accum + lane * bwd_dq_lane_floats<Traits::kHeadDim>(p.attn);
 #pragma unroll 1
