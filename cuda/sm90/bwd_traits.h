@@ -105,10 +105,9 @@ struct BwdTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumMmaWarpGroups, Base::kStages;
   static constexpr bool kSplitHead = false;
   // deterministic=True: the lanes of the dQ accumulator (bwd_dq_order.h) that the producer's writer
-  // warp adds into on the plain path (bwd_dq_lanes). Two at H 64, where a key block then waits for
-  // the one two below it: 9 % faster at 4k and 7 % causal at 16k. One from H 128 on, where the
-  // second lane's traffic (zeroed, held in L2, added up in the conversion) cost more than the
-  // shorter chain saved: 7 % slower at 1k, 6–9 % with causality (docs/performance.md).
+  // warp adds into on the plain path (bwd_dq_lanes). Two at H 64, where a key block then waits only
+  // for the one two below it; one from H 128 on, where the second lane's traffic (zeroed, held in
+  // L2, added up in the conversion) costs more than the shorter chain saves (docs/performance.md).
   static constexpr int kDeterministicDqLanes = kHeadDim <= 64 ? int(kDqLanes) : 1;
   using AccShapeKV = Shape<Int<kBlockN>, Int<kHeadDim>>;  // the dK and dV accumulators: (keys, H)
   static_assert(kBlockN == 64 * kNumMmaWarpGroups, "each MMA warpgroup owns 64 keys (wgmma's M)");
