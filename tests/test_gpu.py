@@ -568,7 +568,7 @@ def test_dropout_with_masks_past_one_tile_on_gpu(combo):
 # and H 256 (the MMA threads add, a turn keeper warp orders them).
 DETERMINISTIC_CASES = {
     "plain": (dict(), None),
-    # More key tiles than query tiles (9 to 18 key tiles, 2 query tiles): long chains of turns at
+    # More key tiles than query tiles (9 or 18 key tiles, 1 or 2 query tiles): long chains of turns at
     # each query tile, split over the accumulator's lanes at H 64 and H 256.
     "few_queries": (dict(), "few_queries"),
     "causal_gqa": (dict(is_causal=True), None),

@@ -2,10 +2,10 @@
 // increasing key-block order, so the float32 accumulator, and dQ, are the same bits on every run.
 //
 // With kLanes copies ("lanes") of the accumulator (params.h: up to kDqLanes; bwd_dq_lanes below),
-// key block n_block adds into lane n_block % kLanes, whose chain of turns
-// holds every kLanes-th key block only: a CTA waits for the one kLanes key blocks below it, which
-// started that much earlier, rather than for the one just below; the conversion
-// (bwd_postprocess.h) adds the lanes up in a fixed order. A semaphore per (lane, batch,
+// key block n_block adds into lane n_block % kLanes, whose chain of turns holds every kLanes-th key
+// block only: a CTA waits for the one kLanes key blocks below it, which started that much earlier,
+// rather than for the one just below; the conversion (bwd_postprocess.h) adds the lanes up in a
+// fixed order. A semaphore per (lane, batch,
 // query head, kDqSemaphoreRows query rows) counts the key blocks of its lane that have added into
 // the block (zeroed by the launcher). Key block n_block's turn at query block m_block is the number
 // of lower key blocks of its lane that add there (bwd_dq_turn); the adder waits until the count
