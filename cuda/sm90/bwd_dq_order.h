@@ -5,14 +5,13 @@
 // key block n_block adds into lane n_block % kLanes, whose chain of turns holds every kLanes-th key
 // block only: a CTA waits for the one kLanes key blocks below it, which started that much earlier,
 // rather than for the one just below; the conversion (bwd_postprocess.h) adds the lanes up in a
-// fixed order. A semaphore per (lane, batch,
-// query head, kDqSemaphoreRows query rows) counts the key blocks of its lane that have added into
-// the block (zeroed by the launcher). Key block n_block's turn at query block m_block is the number
-// of lower key blocks of its lane that add there (bwd_dq_turn); the adder waits until the count
-// reaches it, adds, and once the adds are complete increments the count with a release. A CTA
-// only ever waits for CTAs of lower key blocks of its (batch, K/V head), which every tile order
-// launches first (tile_scheduler.h: n-block-minor, or n-block rank-major within a section), so
-// they are resident or done: no wait can deadlock.
+// fixed order. A semaphore per (lane, batch, query head, kDqSemaphoreRows query rows) counts the
+// key blocks of its lane that have added into the block (zeroed by the launcher). Key block
+// n_block's turn at query block m_block is the number of lower key blocks of its lane that add
+// there (bwd_dq_turn); the adder waits until the count reaches it, adds, and once the adds are
+// complete increments the count with a release. A CTA only ever waits for CTAs of lower key blocks
+// of its (batch, K/V head), which every tile order launches first (tile_scheduler.h: n-block-minor,
+// or n-block rank-major within a section), so they are resident or done: no wait can deadlock.
 #pragma once
 
 #include <cstdint>
