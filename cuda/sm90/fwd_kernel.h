@@ -3,9 +3,10 @@
 // Roles. Warpgroup 0 is the producer: its warp 0 issues TMA loads of each tile's Q (once) and of K
 // and V through a kStages-deep smem ring (fwd_producer.h); it lowers its registers with setmaxnreg
 // so that the consumers can raise theirs. Warpgroups 1..kNumMmaWarpGroups are consumers, each
-// owning 64 query rows of the tile (fwd_mainloop.h), each storing its own rows of O and its LSE
-// (fwd_epilogue.h). Tiles come from the persistent scheduler (tile_scheduler.h); the producer works
-// out each next tile and hands it to the consumers at their tile meetings.
+// owning 64 query rows of the tile (fwd_mainloop.h; one whose rows all lie past T only passes the
+// tile's stages on), each storing its own rows of O and its LSE (fwd_epilogue.h). Tiles come from
+// the persistent scheduler (tile_scheduler.h); the producer works out each next tile and hands it
+// to the consumers at their tile meetings.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -102,6 +102,54 @@ __forceinline__ __device__ auto fwd_consumer_fragments(Storage& ss, int tid) {
                    cS, s_coords, s_coords0, o_coords};
 }
 
+// A consumer warpgroup whose 64 rows all lie past the call's queries (a decoding call's few folded
+// rows, a short T's last tile) has nothing to compute, and its GEMMs and softmax would only slow the
+// other warpgroup's: it keeps the hand-offs alone, every K and V stage waited on and released as the
+// loop below does, every ping-pong barrier met, Q released, and the tile's blocks read from the
+// producer's words where it hands them.
+template <typename Traits, int kPolicies, typename Storage>
+__forceinline__ __device__ void fwd_pass_idle(Storage& ss, typename Traits::Pipeline& pipeline_k,
+                                              typename Traits::Pipeline& pipeline_v,
+                                              typename Traits::PipelineState& read, const TileWork& work, int w) {
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
+  constexpr bool kHandedBlocks = FwdBlockWalk<Traits, kPolicies>::kMask;
+  auto release_q_after = [&](int n_block) CUTLASS_LAMBDA_FUNC_INLINE {
+    if constexpr (!Traits::kOAliasesQ)
+      if (n_block == work.n_begin) ss.q_empty.arrive();
+  };
+  FwdBlockInfo info{0};
+  int n = work.n_end - 1;
+  pipeline_k.consumer_wait(read);
+  if constexpr (kHandedBlocks) {
+    info = handed_block(ss, read);
+    n = info.block();
+  }
+  pipeline_k.consumer_release(read);
+  release_q_after(n);
+  int next_n = kHandedBlocks ? (info.more() ? work.n_begin : -1) : n - 1;
+#pragma unroll 1
+  for (n = next_n; n >= work.n_begin; n = next_n) {
+    PipelineState read_v = read;
+    ++read;
+    pipeline_k.consumer_wait(read);
+    bar_sync(kFwdBarSchedFirst + w, kFwdSchedBarThreads);
+    bar_arrive(kFwdBarSchedFirst + (w + 1 == kNumMmaWarpGroups ? 0 : w + 1), kFwdSchedBarThreads);
+    if constexpr (kHandedBlocks) {
+      info = handed_block(ss, read);
+      n = info.block();
+    }
+    next_n = kHandedBlocks ? (info.more() ? work.n_begin : -1) : n - 1;
+    pipeline_k.consumer_release(read);
+    release_q_after(n);
+    pipeline_v.consumer_wait(read_v);
+    pipeline_v.consumer_release(read_v);
+  }
+  pipeline_v.consumer_wait(read);
+  pipeline_v.consumer_release(read);
+  ++read;
+}
+
 // One tile's key loop for this consumer warpgroup (w): O (scaled, in tOrO) and the rows' LSE.
 template <typename Traits, bool kCausal, int kPolicies, typename Storage, typename Frags, typename AccO, int kRows>
 __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& ss, typename Traits::Pipeline& pipeline_k,
@@ -118,6 +166,14 @@ __forceinline__ __device__ void fwd_attend(const FwdParams<Traits>& p, Storage& 
   using General = FwdGeneralTile<Traits, kPolicies, kRows>;
   const TileCoord t = work.coord;
   const int m0 = t.m_block * kBlockM;
+  if (m0 + 64 * w >= p.T) {
+    ss.q_full.wait(iter & 1);
+    fwd_pass_idle<Traits, kPolicies>(ss, pipeline_k, pipeline_v, read, work, w);
+    clear(tOrO);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) lse[r] = -INFINITY;  // rows past T: the epilogue writes none
+    return;
+  }
   int n = work.n_end - 1;
   auto sched_sync = [&] { bar_sync(kFwdBarSchedFirst + w, kFwdSchedBarThreads); };
   auto sched_arrive = [&] {
