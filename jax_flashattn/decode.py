@@ -32,8 +32,10 @@ _MAX_ROWS = 64
 # ...against blocks of at least this many keys (a multiple of the kernels' 128-key tiles, or of a
 # paged cache's pages: chunk_counts' granule).
 _MIN_CHUNK = 512
-# CTAs the split aims for per SM (one CTA per SM runs at a time on the Hopper forward).
-_WAVES = 2
+# CTAs the split aims for per SM (one CTA per SM runs at a time on the Hopper forward): one, as
+# the first count of blocks reaching it; more blocks of fewer keys each measured slower, their
+# per-CTA start and the merge costing more than a fuller last wave gains (docs/performance.md).
+_WAVES = 1
 # With T > 1 the heads fold only for caches of at least this many key elements (B·S·K·H): folding
 # adds the causal tail's call and a merge, a fixed cost that the G-fold fewer reads of K and V
 # outweigh only once those reads take tens of microseconds.
