@@ -14,7 +14,9 @@ jax_flashattn_paged16, _paged64, _paged128 and _paged256 (paged_attention over t
 into pages of 16, 64, 128 or 256 rows in shuffled order, every row valid: on a Hopper GPU the
 kernel reads them in place, elsewhere they are gathered into a contiguous cache first),
 jax_flashattn_paged64gather and _paged256gather (those pages gathered as on other GPUs, for an A/B
-in one process), cudnn and xla. Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
+in one process), cudnn and xla, and hbm_read: no attention, K and V each summed by an XLA
+reduction, the rate at which this GPU reads those bytes at all (the others' rates are read against
+it). Every function jitted and warmed up; a round is `--calls` back-to-back calls and one
 block_until_ready; the median per-call time over `--rounds` rounds, the rounds of one row
 alternating between the implementations. Rate: bytes of K and V read per second (the paged rows
 too: their gather's extra traffic is not counted).
@@ -38,7 +40,7 @@ import jax_flashattn as jfa
 ROWS = [(8, 1, 8192), (8, 1, 32768), (8, 16, 32768), (1, 1, 131072), (32, 1, 8192), (8, 4, 16384)]
 IMPLS = ["jax_flashattn", "jax_flashattn_nosplit", "jax_flashattn_paged16", "jax_flashattn_paged64",
          "jax_flashattn_paged128", "jax_flashattn_paged256", "jax_flashattn_paged64gather",
-         "jax_flashattn_paged256gather", "cudnn", "xla"]
+         "jax_flashattn_paged256gather", "cudnn", "xla", "hbm_read"]
 
 
 def paged(k, v, page_size, seed):
@@ -64,6 +66,9 @@ def make_fn(impl, T, S, q, k, v):
             return fn.lower(*args).compile(), args
         finally:
             jfa.paged._hopper_reads_pages = in_place
+    if impl == "hbm_read":  # every byte read once, two floats written
+        total = lambda x: x.astype(jnp.float32).sum()  # noqa: E731
+        return jax.jit(lambda k, v: (total(k), total(v))), (k, v)
     if impl.startswith("jax_flashattn"):
         fn = jax.jit(lambda q, k, v: jfa.flash_attention(q, k, v, is_causal=True,
                                                           causal_alignment="bottom_right"))
@@ -96,7 +101,7 @@ def main():
     rows = [(2, 1, 1024)] if a.cpu_smoke else ROWS
     if a.rows:
         rows = [tuple(int(x) for x in row.split(",")) for row in a.rows.split(";")]
-    impls = ["jax_flashattn", "jax_flashattn_paged64", "jax_flashattn_paged256", "xla"] if a.cpu_smoke \
+    impls = ["jax_flashattn", "jax_flashattn_paged64", "jax_flashattn_paged256", "xla", "hbm_read"] if a.cpu_smoke \
         else a.impls.split(",")
     device = jax.devices()[0].device_kind.replace(" ", "-").lower()
     name = f"{datetime.date.today()}-{device}-decode.csv"
