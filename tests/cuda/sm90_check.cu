@@ -827,6 +827,10 @@ int main(int argc, char** argv) {
         cases.push_back({2, 200, 150, 2, 2, H, causal, FP, 8});
         cases.push_back({1, 1600, 2100, 2, 1, H, causal, BF, 0});  // past the short-sequence tiles
       }
+    // More tiles (160) than SMs, so that CTAs run several: where O reuses Q's smem, the next tile's
+    // Q waits for O's stores (fwd_epilogue.h).
+    for (int H : {128, 256}) cases.push_back({1, 256, H == 128 ? 2200 : 600, 80, 8, H, false, BF, 0});
+    cases.push_back({1, 256, 600, 80, 8, 256, true, BF, 0, kWindow});  // the general path's 128 x 64 tile
     for (int H : {64, 128, 256}) {  // the general (masked) path
       cases.push_back({1, 17, 33, 2, 1, H, true, BF, 0, kWindow | kBottomRight | kAlibi | kSoftcap});
       cases.push_back({2, 200, 150, 2, 2, H, false, FP, 8, kLengths | kSegments | kBias | kMask});
@@ -863,6 +867,7 @@ int main(int argc, char** argv) {
         cases.push_back({1, 1000, 255, 8, 1, H, causal, FP, 0});   // MQA
         cases.push_back({2, 255, 300, 4, 2, H, causal, BF, 8});    // non-packed strides
         cases.push_back({3, 1100, 1100, 16, 4, H, causal, BF, 0}); // many tiles per CTA (persistent)
+        cases.push_back({2, 1100, 2300, 16, 4, H, causal, BF, 0}); // the same past the short-sequence tiles
         // Both sides of fwd_launch.h's short-sequence tile choice (T <= 1536 causal, S <= 2048 not).
         cases.push_back({1, 2100, 2100, 2, 1, H, causal, BF, 0});
         cases.push_back({1, 1500, 2100, 2, 1, H, causal, FP, 0});
